@@ -1,0 +1,1 @@
+"""Triton kernels and their plain-PyTorch references (installed as `lookahead.kernels`)."""
