@@ -1,0 +1,43 @@
+"""`lookahead` command line: `lookahead generate ...`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from lookahead.cli.options import build_config, read_prompt
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="lookahead-decoding")
+def main() -> None:
+    """Exact, model-free speculative decoding for Hugging Face transformers."""
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("--model", "model_path", type=click.Path(), default=None,
+              help="Local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--chat/--no-chat", default=False, show_default=True,
+              help="Wrap the prompt in the model's chat template.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--mode", type=click.Choice(["lookahead", "off"]), default="lookahead", show_default=True,
+              help="`off` decodes one token per step through the same loop (no speculation).")
+@click.option("--stats", is_flag=True, help="Print tokens/s and tokens per step on stderr.")
+@click.option("--compare", is_flag=True, help="Also run plain HF greedy; print the speedup and whether "
+                                              "the outputs are identical.")
+@click.option("--window-levels", type=click.IntRange(0, 8), default=None, help="Jacobi window levels (0 = off).")
+@click.option("--window-columns", type=click.IntRange(1, 64), default=None, help="Jacobi window columns.")
+@click.option("--tree-budget", type=click.IntRange(0, 1024), default=None, help="Draft tree nodes per step.")
+def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, **knobs) -> None:
+    """Stream a greedy completion of PROMPT (or of stdin when PROMPT is omitted or `-`)."""
+    from lookahead.cli.run import run_generate
+
+    text = read_prompt(prompt, sys.stdin)
+    config = build_config(mode, knobs)
+    run_generate(text, model_path, chat, max_new_tokens, config, stats, compare)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

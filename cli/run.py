@@ -1,0 +1,57 @@
+"""`lookahead generate`: load, stream the completion, report stats and the comparison on stderr."""
+
+from __future__ import annotations
+
+import time
+
+import click
+import torch
+
+from lookahead.config import LookaheadConfig
+from lookahead.hf import Lookahead
+from lookahead.models import ModelLoadError, load_model
+
+
+def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: int, config: LookaheadConfig,
+                 stats: bool, compare: bool) -> None:
+    """Generate greedily, streaming to stdout; errors become one-line `click.ClickException`s."""
+    from transformers import TextStreamer
+
+    try:
+        model, tokenizer = load_model(model_path)
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from exc
+    input_ids = _encode(tokenizer, text, chat)
+    decoder = Lookahead(config)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    try:
+        output = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                custom_generate=decoder, lookahead_streamer=streamer)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if stats:
+        click.echo(f"[lookahead] {decoder.last_stats.summary()}", err=True)
+    if compare:
+        _compare(model, input_ids, max_new_tokens, output, decoder.last_stats.total_time)
+
+
+def _encode(tokenizer, text: str, chat: bool) -> torch.Tensor:
+    """Token ids [1, L] of the prompt, through the chat template when `chat`."""
+    if chat:
+        if not tokenizer.chat_template:
+            raise click.ClickException("--chat: this model's tokenizer has no chat template; use --no-chat")
+        messages = [{"role": "user", "content": text}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def _compare(model, input_ids: torch.Tensor, max_new_tokens: int, output: torch.Tensor, seconds: float) -> None:
+    """Run plain HF greedy on the same input and print speedup and identity on stderr."""
+    start = time.perf_counter()
+    plain = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
+    plain_seconds = time.perf_counter() - start
+    identical = torch.equal(plain, output)
+    new = output.shape[1] - input_ids.shape[1]
+    click.echo(f"[compare] plain greedy {plain_seconds:.2f} s, lookahead {seconds:.2f} s for {new} tokens: "
+               f"speedup {plain_seconds / seconds:.2f}x, outputs identical: {'yes' if identical else 'NO'}",
+               err=True)

@@ -1,0 +1,89 @@
+"""`LookaheadConfig`: the one validated home of every speculation knob."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    """Speculation settings, validated on construction (raises `ValueError` naming the bad field).
+
+    Drafters:
+      - window: the Jacobi lookahead window, `window_levels × window_columns` tokens iterated every step; its
+        harvested n-grams (size `window_levels + 1`) feed the n-gram pool. `window_levels=0` turns it off.
+      - pool: n-gram pool proposals keyed by the root token, up to `pool_candidates` per step (0 = off). The
+        pool is fed by the window and, when `pool_from_text`, by committed text.
+      - prompt lookup: up to `prompt_candidates` continuations of suffix matches in prompt + output (0 = off),
+        matching suffixes of `prompt_min_ngram..prompt_max_ngram` tokens.
+    Every candidate is at most `max_draft_len` tokens; the merged trie keeps at most `tree_budget` nodes
+    besides the root (0 = verify no drafts: plain decoding through the same loop).
+    """
+
+    window_levels: int = 2
+    window_columns: int = 5
+    pool_candidates: int = 4
+    pool_from_text: bool = True
+    pool_per_key: int = 8
+    pool_max_keys: int = 16384
+    prompt_candidates: int = 3
+    prompt_min_ngram: int = 1
+    prompt_max_ngram: int = 4
+    max_draft_len: int = 8
+    tree_budget: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_range("window_levels", self.window_levels, 0, 8)
+        _check_range("window_columns", self.window_columns, 1, 64)
+        _check_range("pool_candidates", self.pool_candidates, 0, 64)
+        _check_range("pool_per_key", self.pool_per_key, 1, 256)
+        _check_range("pool_max_keys", self.pool_max_keys, 1, 1 << 22)
+        _check_range("prompt_candidates", self.prompt_candidates, 0, 64)
+        _check_range("prompt_min_ngram", self.prompt_min_ngram, 1, 64)
+        _check_range("prompt_max_ngram", self.prompt_max_ngram, self.prompt_min_ngram, 64)
+        _check_range("max_draft_len", self.max_draft_len, 1, 256)
+        _check_range("tree_budget", self.tree_budget, 0, 1024)
+        _check_range("seed", self.seed, 0, 2**63 - 1)
+        if not isinstance(self.pool_from_text, bool):
+            raise ValueError(f"pool_from_text must be a bool, got {self.pool_from_text!r}")
+
+    @property
+    def window_size(self) -> int:
+        """Number of window rows verified per step (`levels × columns`, 0 when the window is off)."""
+        return self.window_levels * self.window_columns if self.window_levels else 0
+
+    @property
+    def pool_ngram_size(self) -> int:
+        """n of the pool's n-grams: the window's `levels + 1`, or 4 when the window is off."""
+        return self.window_levels + 1 if self.window_levels else 4
+
+    @property
+    def speculates(self) -> bool:
+        """Whether any draft can be verified (False means one token per step)."""
+        return self.tree_budget > 0 and (self.pool_candidates > 0 or self.prompt_candidates > 0)
+
+    @classmethod
+    def off(cls) -> "LookaheadConfig":
+        """A config with speculation turned off: the same loop, one token per step (`--mode off`)."""
+        return cls(window_levels=0, pool_candidates=0, prompt_candidates=0, tree_budget=0)
+
+    def with_overrides(self, **overrides) -> "LookaheadConfig":
+        """Return a copy with the given fields replaced; unknown names raise `ValueError` listing valid ones."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown lookahead option(s) {unknown}; valid options: {sorted(known)}")
+        return replace(self, **overrides)
+
+    def as_dict(self) -> dict:
+        """The settings as a plain dict (for stats and benchmark JSON)."""
+        return asdict(self)
+
+
+def _check_range(name: str, value: int, low: int, high: int) -> None:
+    """Raise `ValueError` unless `value` is an int in `[low, high]`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")

@@ -1,0 +1,56 @@
+"""The model-free drafters of one generation: prompt lookup and the n-gram pool, fed as text grows."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import LookaheadConfig
+from .ngram_pool import NGramPool
+from .prompt_lookup import PromptLookup
+from .tree import DraftTree
+
+DRAFTER_NAMES = ("prompt", "pool")  # DraftTree.source indexes this tuple
+PROMPT, POOL = 0, 1
+
+
+class Drafters:
+    """Proposes candidate continuations of the root and learns from committed text and window n-grams."""
+
+    def __init__(self, config: LookaheadConfig, vocab_size: int, context: np.ndarray):
+        """context: [n] int64, the prompt (committed text so far)."""
+        self.config = config
+        self.prompt = PromptLookup(max_ngram=config.prompt_max_ngram, min_ngram=config.prompt_min_ngram) \
+            if config.prompt_candidates else None
+        self.pool = NGramPool(n=config.pool_ngram_size, max_keys=config.pool_max_keys,
+                              per_key=config.pool_per_key, vocab_size=vocab_size) \
+            if config.pool_candidates else None
+        self._text_len = 0
+        self.observe(context)
+
+    def observe(self, text: np.ndarray) -> None:
+        """Learn the committed text `text` ([n] int64, the whole text so far; only the new tail is read)."""
+        new = text[self._text_len:]
+        if self.prompt is not None:
+            self.prompt.extend(new)
+        if self.pool is not None and self.config.pool_from_text:
+            self.pool.add_text(text, start=self._text_len)
+        self._text_len = len(text)
+
+    def harvest(self, grams: np.ndarray) -> None:
+        """Add window n-grams ([G, n] int64) to the pool."""
+        if self.pool is not None and len(grams):
+            self.pool.add(grams)
+
+    def draft(self, root: int, max_len: int) -> DraftTree:
+        """Merge every drafter's candidates (each cut to `max_len` tokens) into a `DraftTree` for `root`."""
+        paths, sources = [], []
+        if max_len > 0 and self.config.tree_budget > 0:
+            if self.prompt is not None:
+                found = self.prompt.propose(self.config.prompt_candidates, max_len)
+                paths += found
+                sources += [PROMPT] * len(found)
+            if self.pool is not None:
+                found = self.pool.lookup(root, self.config.pool_candidates)
+                paths += [p[:max_len] for p in found]
+                sources += [POOL] * len(found)
+        return DraftTree.from_paths(root, paths, sources, self.config.tree_budget)

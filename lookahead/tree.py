@@ -1,0 +1,103 @@
+"""`DraftTree`: all candidate paths merged into a trie rooted at the root token, pruned to a node budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# Score decay per depth: shallow nodes are likelier to be accepted, so under a tight budget the tree keeps
+# breadth near the root before depth on one branch.
+DEPTH_DECAY = 0.8
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A trie of draft tokens. Node 0 is the root; parents precede children (`parents[i] < i`).
+
+    tokens:  [N] int64, token of each node (tokens[0] = root token)
+    parents: [N] int64, parent node (-1 for the root)
+    depth:   [N] int64, edges from the root
+    source:  [N] int64, index of the drafter that first proposed the node (-1 for the root)
+    children: per node, {token: child node}; siblings carry distinct tokens by construction
+    """
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    depth: np.ndarray
+    source: np.ndarray
+    children: tuple
+
+    @property
+    def size(self) -> int:
+        """Number of nodes including the root."""
+        return int(self.tokens.shape[0])
+
+    @classmethod
+    def from_paths(cls, root: int, paths: list, sources: list[int], budget: int) -> "DraftTree":
+        """Merge candidate `paths` (token sequences continuing `root`, best first) into a trie.
+
+        Each node scores the sum over the paths through it of `1/(rank+1) * DEPTH_DECAY**depth`; the
+        `budget` best nodes (ties: earlier first) are kept besides the root. A parent always scores at least
+        as high as its child and is created before it, so the kept set is prefix-closed.
+        Raises `ValueError` if `paths` and `sources` differ in length or `budget` < 0.
+        """
+        if len(paths) != len(sources):
+            raise ValueError(f"got {len(paths)} paths but {len(sources)} sources")
+        if budget < 0:
+            raise ValueError(f"budget must be >= 0, got {budget}")
+        tokens, parents, source, scores = [int(root)], [-1], [-1], [np.inf]
+        index: dict[tuple[int, int], int] = {}
+        for rank, path in enumerate(paths):
+            weight, node = 1.0 / (rank + 1), 0
+            for depth, token in enumerate(path, start=1):
+                key = (node, int(token))
+                child = index.get(key)
+                if child is None:
+                    child = index[key] = len(tokens)
+                    tokens.append(int(token)), parents.append(node), source.append(int(sources[rank]))
+                    scores.append(0.0)
+                scores[child] += weight * DEPTH_DECAY**depth
+                node = child
+        keep = _best_nodes(np.asarray(scores), budget)
+        return cls._build(np.asarray(tokens)[keep], np.asarray(parents)[keep], np.asarray(source)[keep], keep)
+
+    @classmethod
+    def _build(cls, tokens, parents, source, keep) -> "DraftTree":
+        """Renumber kept nodes (in creation order) and derive depth and child tables."""
+        renumber = {int(old): new for new, old in enumerate(keep)}
+        parents = np.array([-1] + [renumber[int(p)] for p in parents[1:]], dtype=np.int64)
+        depth = np.zeros(len(keep), dtype=np.int64)
+        children = tuple({} for _ in keep)
+        for node in range(1, len(keep)):
+            depth[node] = depth[parents[node]] + 1
+            children[parents[node]][int(tokens[node])] = node
+        return cls(tokens.astype(np.int64), parents, depth, source.astype(np.int64), children)
+
+    def ancestor_mask(self) -> np.ndarray:
+        """[N, N] bool: `mask[i, j]` is True iff node j is node i or one of its ancestors."""
+        n = self.size
+        mask = np.zeros((n, n), dtype=bool)
+        for node in range(n):
+            parent = self.parents[node]
+            if parent >= 0:
+                mask[node] = mask[parent]
+            mask[node, node] = True
+        return mask
+
+    def path_tokens(self, node: int) -> list[int]:
+        """Tokens from the root's first child down to `node` (empty for the root)."""
+        out = []
+        while node > 0:
+            out.append(int(self.tokens[node]))
+            node = int(self.parents[node])
+        return out[::-1]
+
+
+def _best_nodes(scores: np.ndarray, budget: int) -> np.ndarray:
+    """Indices of the root plus the `budget` highest-scoring nodes, in creation order."""
+    if scores.shape[0] - 1 <= budget:
+        return np.arange(scores.shape[0])
+    # Stable sort on -score keeps creation order among ties, so a parent beats an equal-scored child.
+    order = np.argsort(-scores, kind="stable")[: budget + 1]
+    return np.sort(order)
