@@ -16,6 +16,7 @@ class LookaheadConfig:
         pool is fed by the window and, when `pool_from_text`, by committed text.
       - prompt lookup: up to `prompt_candidates` continuations of suffix matches in prompt + output (0 = off),
         matching suffixes of `prompt_min_ngram..prompt_max_ngram` tokens.
+      - shared: up to `shared_candidates` continuations from a cross-request drafter, when one is given.
     Every candidate is at most `max_draft_len` tokens; the merged trie keeps at most `tree_budget` nodes
     besides the root (0 = verify no drafts: plain decoding through the same loop).
     """
@@ -27,6 +28,7 @@ class LookaheadConfig:
     pool_per_key: int = 8
     pool_max_keys: int = 16384
     prompt_candidates: int = 3
+    shared_candidates: int = 3
     prompt_min_ngram: int = 1
     prompt_max_ngram: int = 4
     max_draft_len: int = 8
@@ -40,6 +42,7 @@ class LookaheadConfig:
         _check_range("pool_per_key", self.pool_per_key, 1, 256)
         _check_range("pool_max_keys", self.pool_max_keys, 1, 1 << 22)
         _check_range("prompt_candidates", self.prompt_candidates, 0, 64)
+        _check_range("shared_candidates", self.shared_candidates, 0, 64)
         _check_range("prompt_min_ngram", self.prompt_min_ngram, 1, 64)
         _check_range("prompt_max_ngram", self.prompt_max_ngram, self.prompt_min_ngram, 64)
         _check_range("max_draft_len", self.max_draft_len, 1, 256)

@@ -24,7 +24,8 @@ class DecodeRequest:
 
     input_ids: [1, L] prompt; prompt_kwargs: the model kwargs for the prefill forward (cache, attention mask,
     position ids, ...); logits_processor / stopping_criteria: HF lists; max_length: prompt + new tokens cap;
-    streamer: optional HF streamer that receives committed tokens.
+    streamer: optional HF streamer that receives committed tokens; shared_drafter: optional cross-request drafter
+    (see `drafters.SharedDrafter`).
     """
 
     input_ids: torch.Tensor
@@ -33,6 +34,7 @@ class DecodeRequest:
     stopping_criteria: object
     max_length: int
     streamer: object = None
+    shared_drafter: object = None
 
 
 class Decoder:
@@ -47,7 +49,8 @@ class Decoder:
         self.ids[: len(prompt)] = prompt
         self.length = len(prompt)
         self.stats = DecodeStats()
-        self.drafters = Drafters(config, model.config.get_text_config().vocab_size, prompt)
+        self.drafters = Drafters(config, model.config.get_text_config().vocab_size, prompt,
+                                 request.shared_drafter)
         self.window = JacobiWindow(config.window_levels, config.window_columns, config.seed) \
             if config.window_size else None
         if self.window is not None:

@@ -4,26 +4,37 @@ from __future__ import annotations
 
 import numpy as np
 
+from typing import Protocol
+
 from .config import LookaheadConfig
 from .ngram_pool import NGramPool
 from .prompt_lookup import PromptLookup
 from .tree import DraftTree
 
-DRAFTER_NAMES = ("prompt", "pool")  # DraftTree.source indexes this tuple
-PROMPT, POOL = 0, 1
+DRAFTER_NAMES = ("prompt", "pool", "shared")  # DraftTree.source indexes this tuple
+PROMPT, POOL, SHARED = 0, 1, 2
+
+
+class SharedDrafter(Protocol):
+    """A drafter that outlives one generation (e.g. the server's cross-request suffix cache)."""
+
+    def propose(self, text: np.ndarray, max_candidates: int, max_len: int) -> list[np.ndarray]:
+        """Continuations of `text` ([n] int64, committed text ending with the root), best first."""
 
 
 class Drafters:
     """Proposes candidate continuations of the root and learns from committed text and window n-grams."""
 
-    def __init__(self, config: LookaheadConfig, vocab_size: int, context: np.ndarray):
-        """context: [n] int64, the prompt (committed text so far)."""
-        self.config = config
+    def __init__(self, config: LookaheadConfig, vocab_size: int, context: np.ndarray,
+                 shared: SharedDrafter | None = None):
+        """context: [n] int64, the prompt (committed text so far); shared: optional cross-request drafter."""
+        self.config, self.shared = config, shared
         self.prompt = PromptLookup(max_ngram=config.prompt_max_ngram, min_ngram=config.prompt_min_ngram) \
             if config.prompt_candidates else None
         self.pool = NGramPool(n=config.pool_ngram_size, max_keys=config.pool_max_keys,
                               per_key=config.pool_per_key, vocab_size=vocab_size) \
             if config.pool_candidates else None
+        self._text = context
         self._text_len = 0
         self.observe(context)
 
@@ -34,7 +45,7 @@ class Drafters:
             self.prompt.extend(new)
         if self.pool is not None and self.config.pool_from_text:
             self.pool.add_text(text, start=self._text_len)
-        self._text_len = len(text)
+        self._text, self._text_len = text, len(text)
 
     def harvest(self, grams: np.ndarray) -> None:
         """Add window n-grams ([G, n] int64) to the pool."""
@@ -53,4 +64,8 @@ class Drafters:
                 found = self.pool.lookup(root, self.config.pool_candidates)
                 paths += [p[:max_len] for p in found]
                 sources += [POOL] * len(found)
+            if self.shared is not None and self.config.shared_candidates:
+                found = self.shared.propose(self._text, self.config.shared_candidates, max_len)
+                paths += found
+                sources += [SHARED] * len(found)
         return DraftTree.from_paths(root, paths, sources, self.config.tree_budget)

@@ -29,11 +29,14 @@ class Lookahead:
 
     `model.generate(**inputs, custom_generate=Lookahead(window_levels=2, ...))` returns exactly what
     `model.generate(**inputs)` returns for greedy decoding, faster. Keyword arguments override fields of
-    `config` (a `LookaheadConfig`). After each call `last_stats` holds a `DecodeStats`.
+    `config` (a `LookaheadConfig`); `shared_drafter` adds a cross-request drafter (`drafters.SharedDrafter`).
+    After each call `last_stats` holds a `DecodeStats`. A streamer is passed as `lookahead_streamer=` (HF does
+    not forward `streamer=` to a callable; `lookahead.patch` reroutes it automatically).
     """
 
-    def __init__(self, config: LookaheadConfig | None = None, **overrides):
+    def __init__(self, config: LookaheadConfig | None = None, shared_drafter=None, **overrides):
         self.config = (config or LookaheadConfig()).with_overrides(**overrides)
+        self.shared_drafter = shared_drafter
         self.last_stats: DecodeStats | None = None
 
     def __call__(self, model, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
@@ -45,7 +48,7 @@ class Lookahead:
             lookahead_streamer.put(input_ids.cpu())  # generate only feeds the prompt to its own `streamer=`
         request = DecodeRequest(input_ids=input_ids, prompt_kwargs=model_kwargs, logits_processor=logits_processor,
                                 stopping_criteria=stopping_criteria, max_length=generation_config.max_length,
-                                streamer=lookahead_streamer)
+                                streamer=lookahead_streamer, shared_drafter=self.shared_drafter)
         decoder = Decoder(model, self.config, request)
         sequences = decoder.run()
         self.last_stats = decoder.stats
