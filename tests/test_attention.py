@@ -1,0 +1,165 @@
+"""The `lookahead_tree` attention backend: a tiny random Llama gives SDPA's logits whether the Triton kernel path
+(forced on CPU, in Triton's interpreter) or the SDPA path runs, and the kernel is taken exactly when it applies."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU the kernel can only run in Triton's interpreter, which Triton switches on when it is first
+    # imported (transformers imports it too), so this must come before any import of triton or transformers.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+
+import lookahead.kernels  # noqa: E402
+from lookahead import attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# False when another test module imported triton first, compiled: then a subprocess runs this file's kernel tests.
+KERNEL_RUNS_HERE = DEVICE == "cuda" or importlib.import_module("lookahead.kernels.tree_attention")._interpreting()
+
+runs_kernel = pytest.mark.skipif(not KERNEL_RUNS_HERE, reason="run by test_attention_tests_in_interpreter_subprocess")
+
+
+@pytest.mark.skipif(KERNEL_RUNS_HERE, reason="the kernel tests run in this process")
+def test_attention_tests_in_interpreter_subprocess():
+    """Triton was imported compiled before this module (by an earlier test module), so the interpreter is out of
+    reach here: run this file again in a fresh process with TRITON_INTERPRET=1."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "pytest", __file__, "-q", "-rs", "-p", "no:cacheprovider"]
+    result = subprocess.run(command, env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    assert "run by test_attention_tests_in_interpreter_subprocess" not in result.stdout, result.stdout[-5000:]
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval().to(DEVICE)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Force the kernel path on CPU too; returns the list of `tree_attention` calls' T (query rows)."""
+    monkeypatch.setattr(attention, "FORCE_KERNEL", True)
+    calls = []
+    kernel = lookahead.kernels.tree_attention
+
+    def counted(q, *args, **kwargs):
+        calls.append(q.shape[2])
+        return kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(lookahead.kernels, "tree_attention", counted)
+    return calls
+
+
+def run_with(model, implementation, forward):
+    """`forward(model)` with the model's attention set to `implementation`."""
+    model.set_attn_implementation(implementation)
+    try:
+        with torch.no_grad():
+            return forward(model)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def chunked_prefill_then_decode(model):
+    """Logits of an 8-token prefill, a 4-token chunk on top of it (causal mask, fully visible prefix: the kernel
+    path) and 3 single-token greedy steps. Returns `[1, 15, vocab]`."""
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    cache = DynamicCache(config=model.config)
+    logits = [model(ids[:, :8], past_key_values=cache).logits, model(ids[:, 8:], past_key_values=cache).logits]
+    for _ in range(3):
+        logits.append(model(logits[-1][:, -1:].argmax(-1), past_key_values=cache).logits)
+    return torch.cat(logits, dim=1)
+
+
+# Two trees over the same number of nodes, one per batch row; node 0 is the root.
+PARENTS = [[-1, 0, 0, 1, 1, 2, 4, 0], [-1, 0, 1, 2, 0, 4, 4, 6]]
+
+
+def tree_inputs(parents: list[list[int]], prefix_len: int, blocked_prefix_column: int | None = None):
+    """position_ids `[B, T]` (prefix_len + depth) and the additive mask `[B, 1, T, prefix_len + T]`: the prefix
+    visible (except `blocked_prefix_column`, if given), the tree block by ancestry."""
+    B, T = len(parents), len(parents[0])
+    min_value = torch.finfo(torch.float32).min
+    depth = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.full((B, 1, T, prefix_len + T), min_value)
+    mask[..., :prefix_len] = 0
+    for b, row in enumerate(parents):
+        for i, p in enumerate(row):
+            if p >= 0:
+                depth[b, i] = depth[b, p] + 1
+                mask[b, 0, i, prefix_len:] = mask[b, 0, p, prefix_len:]
+            mask[b, 0, i, prefix_len + i] = 0
+    if blocked_prefix_column is not None:
+        mask[..., blocked_prefix_column] = min_value
+    return (prefix_len + depth).to(DEVICE), mask.to(DEVICE)
+
+
+def tree_forward(blocked_prefix_column: int | None = None):
+    """A 10-token batched prefill, then one forward of a tree per row. Returns `[2, T, vocab]` tree logits."""
+
+    def forward(model):
+        gen = torch.Generator().manual_seed(2)
+        prompt = torch.randint(0, 128, (2, 10), generator=gen).to(DEVICE)
+        nodes = torch.randint(0, 128, (2, len(PARENTS[0])), generator=gen).to(DEVICE)
+        cache = DynamicCache(config=model.config)
+        model(prompt, past_key_values=cache)
+        position_ids, mask = tree_inputs(PARENTS, 10, blocked_prefix_column)
+        return model(nodes, position_ids=position_ids, attention_mask=mask, past_key_values=cache).logits
+
+    return forward
+
+
+def test_register_is_idempotent():
+    assert attention.register() == attention.register() == "lookahead_tree"
+    assert AttentionInterface._global_mapping["lookahead_tree"] is attention.tree_attention_forward
+    assert "lookahead_tree" in AttentionMaskInterface._global_mapping
+
+
+@runs_kernel
+def test_prefill_and_decode_match_sdpa(model, kernel_calls):
+    expected = run_with(model, "sdpa", chunked_prefill_then_decode)
+    logits = run_with(model, attention.register(), chunked_prefill_then_decode)
+    assert kernel_calls == [4, 4]  # the 4-token chunk, in both layers; prefill and decode steps ran SDPA
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
+
+
+@runs_kernel
+def test_tree_forward_matches_sdpa(model, kernel_calls):
+    expected = run_with(model, "sdpa", tree_forward())
+    logits = run_with(model, attention.register(), tree_forward())
+    assert kernel_calls == [8, 8]
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
+
+
+@runs_kernel
+def test_masked_prefix_runs_sdpa(model, kernel_calls):
+    expected = run_with(model, "sdpa", tree_forward(blocked_prefix_column=3))
+    logits = run_with(model, attention.register(), tree_forward(blocked_prefix_column=3))
+    assert kernel_calls == []
+    torch.testing.assert_close(logits, expected, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU default")
+def test_cpu_runs_sdpa_unless_forced(model, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the kernel ran on CPU without FORCE_KERNEL")
+
+    monkeypatch.setattr(lookahead.kernels, "tree_attention", fail)
+    expected = run_with(model, "sdpa", tree_forward())
+    torch.testing.assert_close(run_with(model, attention.register(), tree_forward()), expected, atol=0, rtol=0)
