@@ -59,9 +59,6 @@ class Lookahead:
 
 def _check_generation_config(config: GenerationConfig, input_ids: torch.Tensor) -> None:
     """Raise `ValueError` naming any generation option lookahead cannot honour exactly."""
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"lookahead decodes one sequence at a time for now (got batch size {input_ids.shape[0]}); "
-                         "call generate per prompt or use plain model.generate for batches")
     if config.do_sample:
         raise ValueError("lookahead does not support do_sample=True yet; use greedy decoding "
                          "(do_sample=False) or plain model.generate for sampling")
@@ -70,6 +67,9 @@ def _check_generation_config(config: GenerationConfig, input_ids: torch.Tensor) 
                          "use plain model.generate for beam search")
     if (config.num_return_sequences or 1) > 1:
         raise ValueError("num_return_sequences > 1 is not supported with greedy lookahead decoding")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"lookahead decodes one sequence at a time for now (got batch size {input_ids.shape[0]}); "
+                         "call generate per prompt or use plain model.generate for batches")
     if config.return_dict_in_generate:
         for name in _UNSUPPORTED_OUTPUTS:
             if getattr(config, name, False):

@@ -43,8 +43,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     Raises `ModelLoadError` for a missing or unreadable path.
     """
     if path is None:
-        gguf = default_gguf_path()
-        return _load_folder(_converted_folder(gguf), dtype)
+        return _load_folder(default_model_folder(), dtype)
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
@@ -55,6 +54,11 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     if not (path / "config.json").exists():
         raise ModelLoadError(f"not a Hugging Face model folder (no config.json): {path}")
     return _load_folder(path, dtype)
+
+
+def default_model_folder() -> Path:
+    """Return the cached Hugging Face folder of the default model (converting the GGUF on first use)."""
+    return _converted_folder(default_gguf_path())
 
 
 def default_gguf_path() -> Path:

@@ -1,0 +1,91 @@
+"""`lookahead generate`: streams the same text plain greedy produces; bad input gives a one-line error."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny_models import tiny_model
+from transformers import AutoTokenizer
+
+from lookahead.cli.main import main
+from lookahead.models import default_model_folder
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama with the default model's real tokenizer, saved as a local HF folder."""
+    tokenizer = AutoTokenizer.from_pretrained(default_model_folder())
+    model = tiny_model("llama", dtype=torch.float32, seed=5, vocab=len(tokenizer))
+    folder = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, model, tokenizer
+
+
+def _run(*args, stdin=None):
+    return CliRunner().invoke(main, ["generate", *args], input=stdin)
+
+
+def test_generate_streams_plain_greedy_text(tiny_folder):
+    folder, model, tokenizer = tiny_folder
+    prompt = "def fibonacci(n):"
+    result = _run(prompt, "--model", str(folder), "--max-new-tokens", "24")
+    assert result.exit_code == 0, result.output
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    plain = model.generate(ids, max_new_tokens=24, do_sample=False)
+    expected = tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True)
+    assert result.stdout.strip() == expected.strip()
+
+
+def test_generate_reads_stdin_and_reports_stats_and_comparison(tiny_folder):
+    folder, _, _ = tiny_folder
+    result = _run("--model", str(folder), "--max-new-tokens", "16", "--stats", "--compare",
+                  stdin="import numpy as np\n")
+    assert result.exit_code == 0, result.output
+    assert "tokens/step" in result.stderr and "tok/s" in result.stderr
+    assert "outputs identical: yes" in result.stderr
+
+
+def test_mode_off_gives_the_same_text(tiny_folder):
+    folder, _, _ = tiny_folder
+    on = _run("x = [1, 2, 3]", "--model", str(folder), "--max-new-tokens", "16")
+    off = _run("x = [1, 2, 3]", "--model", str(folder), "--max-new-tokens", "16", "--mode", "off", "--stats")
+    assert on.exit_code == off.exit_code == 0
+    assert on.stdout == off.stdout
+    assert "1.00 tokens/step" in off.stderr
+
+
+@pytest.mark.parametrize("args, stdin, message", [
+    (["   "], None, "prompt is empty"),
+    (["hi", "--model", "/no/such/model"], None, "does not exist"),
+    (["hi", "--max-new-tokens", "0"], None, "max-new-tokens"),
+    (["hi", "--max-new-tokens", "many"], None, "max-new-tokens"),
+    (["hi", "--mode", "fast"], None, "mode"),
+    (["hi", "--tree-budget", "-3"], None, "tree-budget"),
+    ([], "", "prompt is empty"),
+])
+def test_bad_input_gives_one_line_error(args, stdin, message):
+    result = _run(*args, stdin=stdin)
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    assert message in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_not_a_model_folder_is_one_line_error(tmp_path):
+    result = _run("hi", "--model", str(tmp_path))
+    assert result.exit_code != 0 and "no config.json" in result.output
+
+
+def test_chat_flag_needs_a_template(tiny_folder, tmp_path):
+    folder, model, tokenizer = tiny_folder
+    bare = tmp_path / "bare"
+    model.save_pretrained(bare)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    result = _run("hi", "--model", str(bare), "--chat")
+    assert result.exit_code != 0 and "chat template" in result.output

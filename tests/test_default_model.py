@@ -1,0 +1,85 @@
+"""The real default model (SmolLM2-135M-Instruct, fp32): lookahead greedy equals plain greedy on public prompts.
+
+A divergence is tolerated only where the plain run itself had a floating-point near-tie: top-2 logit gap
+< 1e-4 at the first differing position, with our token being the runner-up. Anything else fails.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lookahead import Lookahead, LookaheadConfig, load_model
+
+PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "prompts"
+NEAR_TIE = 1e-4
+MAX_NEW_TOKENS = 64
+
+
+def _load(name: str) -> list[dict]:
+    return [json.loads(line) for line in (PROMPTS / name).read_text().splitlines() if line.strip()]
+
+
+def _cases() -> list[tuple[str, str, bool]]:
+    """(id, text, chat) for 4 code, 4 grounded (summarization, rag) and 4 chat prompts."""
+    code = [(p["id"], p["turns"][0], False) for p in _load("humaneval.jsonl")[:4]]
+    spec = _load("spec_bench.jsonl")
+    pick = lambda cat, n: [(p["id"], p["turns"][0], True) for p in spec if p["category"] == cat][:n]  # noqa: E731
+    return code + pick("summarization", 2) + pick("rag", 2) + pick("writing", 2) + pick("roleplay", 1) \
+        + pick("coding", 1)
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    if not PROMPTS.exists():
+        pytest.fail(f"benchmark prompts not found at {PROMPTS}")
+    return load_model()
+
+
+def _encode(tokenizer, text: str, chat: bool) -> torch.Tensor:
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(text, return_tensors="pt").input_ids[:, -768:]
+
+
+def _assert_same_or_near_tie(model, prompt, fast: torch.Tensor) -> None:
+    plain = model.generate(prompt, do_sample=False, max_new_tokens=MAX_NEW_TOKENS, return_dict_in_generate=True,
+                           output_logits=True)
+    expected = plain.sequences[0, prompt.shape[1]:]
+    got = fast[0, prompt.shape[1]:]
+    if torch.equal(expected, got):
+        return
+    n = min(len(expected), len(got))
+    first = int((expected[:n] != got[:n]).nonzero()[0]) if (expected[:n] != got[:n]).any() else n
+    assert first < n, f"lengths differ without a token difference: {len(expected)} vs {len(got)}"
+    top2 = plain.logits[first][0].topk(2)
+    gap = float(top2.values[0] - top2.values[1])
+    assert gap < NEAR_TIE and int(got[first]) == int(top2.indices[1]), (
+        f"diverged at new token {first}: plain {int(expected[first])}, lookahead {int(got[first])}, "
+        f"top-2 gap {gap:.2e} is not a near-tie")
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: c[0])
+def test_default_model_identical_to_plain_greedy(default_model, case):
+    model, tokenizer = default_model
+    _, text, chat = case
+    prompt = _encode(tokenizer, text, chat)
+    decoder = Lookahead(LookaheadConfig())
+    fast = model.generate(prompt, do_sample=False, max_new_tokens=MAX_NEW_TOKENS, custom_generate=decoder)
+    assert fast.shape[1] <= prompt.shape[1] + MAX_NEW_TOKENS
+    _assert_same_or_near_tie(model, prompt, fast)
+
+
+def test_default_model_speculation_pays_on_grounded_text(default_model):
+    """Acceptance check (not timing): copying-heavy prompts commit well over one token per step."""
+    model, tokenizer = default_model
+    summarization = [p for p in _load("spec_bench.jsonl") if p["category"] == "summarization"][0]
+    case = (summarization["id"], summarization["turns"][0], True)
+    prompt = _encode(tokenizer, case[1], case[2])
+    decoder = Lookahead(LookaheadConfig())
+    model.generate(prompt, do_sample=False, max_new_tokens=MAX_NEW_TOKENS, custom_generate=decoder)
+    assert decoder.last_stats.mean_tokens_per_step > 1.2

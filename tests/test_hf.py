@@ -1,0 +1,162 @@
+"""`Lookahead` as `custom_generate`, and `patch` / `unpatch`: same arguments, same results, clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import repetitive_prompt, tiny_model
+from transformers import AutoTokenizer, LlamaConfig, LlamaModel
+from transformers.generation.streamers import BaseStreamer
+
+import lookahead
+from lookahead import Lookahead, LookaheadConfig
+
+
+class Recorder(BaseStreamer):
+    """Collects every put() call."""
+
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.fixture()
+def model():
+    return tiny_model("llama", dtype=torch.float64, seed=2)
+
+
+def test_patch_makes_generate_use_lookahead_and_unpatch_restores(model):
+    prompt = repetitive_prompt(0)
+    plain = model.generate(prompt, max_new_tokens=30, do_sample=False)
+    decoder = lookahead.patch(model)
+    patched = model.generate(prompt, max_new_tokens=30, do_sample=False)
+    assert torch.equal(plain, patched)
+    assert decoder.last_stats is not None and decoder.last_stats.new_tokens == 30
+    lookahead.unpatch(model)
+    decoder.last_stats = None
+    assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False), plain)
+    assert decoder.last_stats is None  # the unpatched model no longer goes through lookahead
+
+
+def test_patch_refuses_twice_and_unpatch_refuses_unpatched(model):
+    lookahead.patch(model)
+    with pytest.raises(ValueError, match="already patched"):
+        lookahead.patch(model)
+    lookahead.unpatch(model)
+    with pytest.raises(ValueError, match="not patched"):
+        lookahead.unpatch(model)
+
+
+def test_patch_is_instance_level(model):
+    other = tiny_model("llama", dtype=torch.float64, seed=2)
+    lookahead.patch(model)
+    assert "generate" not in other.__dict__
+    lookahead.unpatch(model)
+
+
+@pytest.mark.parametrize("thing", [object(), torch.nn.Linear(2, 2)])
+def test_patch_refuses_non_generative_objects(thing):
+    with pytest.raises(ValueError, match="generative"):
+        lookahead.patch(thing)
+
+
+def test_patch_refuses_base_model_without_lm_head():
+    base = LlamaModel(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match="generative"):
+        lookahead.patch(base)
+
+
+def test_patch_accepts_config_overrides_and_rejects_unknown(model):
+    decoder = lookahead.patch(model, tree_budget=3)
+    assert decoder.config.tree_budget == 3
+    lookahead.unpatch(model)
+    with pytest.raises(ValueError, match="unknown lookahead option"):
+        lookahead.patch(model, tree_bugdet=3)
+
+
+def test_streamer_receives_prompt_then_accepted_tokens(model):
+    prompt = repetitive_prompt(1)
+    lookahead.patch(model)
+    streamer = Recorder()
+    out = model.generate(prompt, max_new_tokens=40, do_sample=False, streamer=streamer)
+    lookahead.unpatch(model)
+    assert streamer.puts[0] == prompt[0].tolist()
+    assert sum(streamer.puts[1:], []) == out[0, prompt.shape[1]:].tolist()
+    assert any(len(p) > 1 for p in streamer.puts[1:])  # several tokens per step arrive together
+    assert streamer.ended
+
+
+def test_return_dict_in_generate_gives_sequences(model):
+    prompt = repetitive_prompt(2)
+    plain = model.generate(prompt, max_new_tokens=20, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=20, do_sample=False, return_dict_in_generate=True,
+                         custom_generate=Lookahead())
+    assert torch.equal(out.sequences, plain)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(do_sample=True), "do_sample"),
+    (dict(num_beams=2), "beam search"),
+    (dict(return_dict_in_generate=True, output_scores=True), "output_scores"),
+    (dict(return_dict_in_generate=True, output_logits=True), "output_logits"),
+])
+def test_unsupported_options_are_refused(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        model.generate(repetitive_prompt(0), max_new_tokens=5, custom_generate=Lookahead(), **kwargs)
+
+
+def test_batch_larger_than_one_is_refused(model):
+    batch = torch.cat([repetitive_prompt(0), repetitive_prompt(1)])
+    with pytest.raises(ValueError, match="batch size 2"):
+        model.generate(batch, max_new_tokens=5, custom_generate=Lookahead())
+
+
+def test_patched_refuses_assistant_model_and_custom_generate(model):
+    lookahead.patch(model)
+    with pytest.raises(ValueError, match="assistant_model"):
+        model.generate(repetitive_prompt(0), max_new_tokens=5, assistant_model=model)
+    with pytest.raises(ValueError, match="custom_generate"):
+        model.generate(repetitive_prompt(0), max_new_tokens=5, custom_generate=Lookahead())
+    lookahead.unpatch(model)
+
+
+def test_non_dynamic_cache_is_refused(model):
+    with pytest.raises(ValueError, match="DynamicCache"):
+        model.generate(repetitive_prompt(0), max_new_tokens=5, cache_implementation="static",
+                       custom_generate=Lookahead())
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from lookahead.models import default_model_folder
+
+    return AutoTokenizer.from_pretrained(default_model_folder())
+
+
+def test_stop_strings_work_through_patch(tokenizer):
+    model = tiny_model("llama", dtype=torch.float32, seed=4, vocab=len(tokenizer))
+    prompt = tokenizer("def add(a, b):\n    return a + b\n\ndef add(a, b):", return_tensors="pt").input_ids
+    reference = model.generate(prompt, max_new_tokens=40, do_sample=False)
+    text = tokenizer.decode(reference[0, prompt.shape[1]:])
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    plain = model.generate(prompt, max_new_tokens=40, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+    lookahead.patch(model)
+    patched = model.generate(prompt, max_new_tokens=40, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+    lookahead.unpatch(model)
+    assert torch.equal(plain, patched)
+    assert plain.shape[1] < reference.shape[1]
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="tree_budget"):
+        LookaheadConfig(tree_budget=-1)
+    with pytest.raises(ValueError, match="window_columns"):
+        LookaheadConfig(window_columns=0)
+    with pytest.raises(ValueError, match="prompt_max_ngram"):
+        LookaheadConfig(prompt_min_ngram=3, prompt_max_ngram=2)
