@@ -31,9 +31,8 @@ def keep_rows(cache: Cache, prefix_len: int, rows: list[int]) -> None:
         if surplus:
             cache.crop(-surplus)  # transformers' crop takes the number of slots to drop, negated
         return
-    device = cache.layers[0].keys.device
-    keep = torch.cat([torch.arange(prefix_len, device=device),
-                      prefix_len + torch.tensor(rows, dtype=torch.long, device=device)])
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(-2, keep)
-        layer.values = layer.values.index_select(-2, keep)
+    keep = torch.cat([torch.arange(prefix_len), prefix_len + torch.tensor(rows, dtype=torch.long)])
+    for layer in cache.layers:  # layers may live on different devices (offloading, pipeline splits)
+        index = keep.to(layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, index)
+        layer.values = layer.values.index_select(-2, index)

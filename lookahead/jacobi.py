@@ -21,7 +21,7 @@ class JacobiWindow:
         self.levels, self.columns = levels, columns
         self.tokens = np.zeros((levels, columns), dtype=np.int64)  # [L, W]
         self._rng = np.random.default_rng(seed)
-        self._age = 0  # advances since the last reset: levels hold real Jacobi outputs once age >= levels - 1
+        self._age = 0  # advances since the last reset: harvesting starts at age >= levels - 1 (as in LADE)
         self.offsets = self._offsets()  # [L*W] position offsets from the root
         self.mask = self._mask()  # [L*W, L*W] bool, in-window visibility
 

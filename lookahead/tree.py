@@ -19,6 +19,7 @@ class DraftTree:
     parents: [N] int64, parent node (-1 for the root)
     depth:   [N] int64, edges from the root
     source:  [N] int64, index of the drafter that first proposed the node (-1 for the root)
+    scores:  [N] float64, pruning priority (root = inf); a child never outscores its parent
     children: per node, {token: child node}; siblings carry distinct tokens by construction
     """
 
@@ -26,6 +27,7 @@ class DraftTree:
     parents: np.ndarray
     depth: np.ndarray
     source: np.ndarray
+    scores: np.ndarray
     children: tuple
 
     @property
@@ -59,11 +61,24 @@ class DraftTree:
                     scores.append(0.0)
                 scores[child] += weight * DEPTH_DECAY**depth
                 node = child
-        keep = _best_nodes(np.asarray(scores), budget)
-        return cls._build(np.asarray(tokens)[keep], np.asarray(parents)[keep], np.asarray(source)[keep], keep)
+        scores = np.asarray(scores)
+        keep = _best_nodes(scores, budget)
+        return cls._build(np.asarray(tokens)[keep], np.asarray(parents)[keep], np.asarray(source)[keep],
+                          scores[keep], keep)
+
+    def prune(self, budget: int) -> "DraftTree":
+        """This tree cut to the root plus its `budget` best-scoring nodes (the same rule as `from_paths`)."""
+        keep = _best_nodes(self.scores, budget)
+        if len(keep) == self.size:
+            return self
+        return self._build(self.tokens[keep], self.parents[keep], self.source[keep], self.scores[keep], keep)
+
+    def ranked_nodes(self) -> np.ndarray:
+        """Non-root node indices, best score first: `prune(k)` keeps exactly the first k of them."""
+        return np.argsort(-self.scores[1:], kind="stable") + 1
 
     @classmethod
-    def _build(cls, tokens, parents, source, keep) -> "DraftTree":
+    def _build(cls, tokens, parents, source, scores, keep) -> "DraftTree":
         """Renumber kept nodes (in creation order) and derive depth and child tables."""
         renumber = {int(old): new for new, old in enumerate(keep)}
         parents = np.array([-1] + [renumber[int(p)] for p in parents[1:]], dtype=np.int64)
@@ -72,7 +87,8 @@ class DraftTree:
         for node in range(1, len(keep)):
             depth[node] = depth[parents[node]] + 1
             children[parents[node]][int(tokens[node])] = node
-        return cls(tokens.astype(np.int64), parents, depth, source.astype(np.int64), children)
+        return cls(tokens.astype(np.int64), parents, depth, source.astype(np.int64), scores.astype(np.float64),
+                   children)
 
     def ancestor_mask(self) -> np.ndarray:
         """[N, N] bool: `mask[i, j]` is True iff node j is node i or one of its ancestors."""

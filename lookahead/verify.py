@@ -42,7 +42,7 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer | No
         if best is not None:
             token = best[node]
         else:
-            token = int(scorer(tokens, logits[node]).argmax())
+            token = int(scorer(list(tokens), logits[node]).argmax())
         tokens.append(token)
         child = tree.children[node].get(token)
         if child is None:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import io
 
 import pytest
 import torch
 from click.testing import CliRunner
-from tiny_models import tiny_model
+from tiny_models import build_tiny_model as tiny_model
 from transformers import AutoTokenizer
 
 from lookahead.cli.main import main

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import repetitive_prompt, tiny_model
+from tiny_models import build_tiny_model as tiny_model, repetitive_prompt
 from transformers import AutoTokenizer, LlamaConfig, LlamaModel
 from transformers.generation.streamers import BaseStreamer
 

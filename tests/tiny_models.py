@@ -1,28 +1,30 @@
-"""Tiny random decoder-only models built from configs in-process (no downloads), for exactness tests."""
+"""Tiny random decoder-only models built from configs in-process (no downloads), and test prompts."""
 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-}
 
 
-def tiny_model(family: str = "llama", dtype: torch.dtype = torch.float64, seed: int = 0, vocab: int = 64,
-               layers: int = 2):
-    """A randomly initialised `family` causal LM (hidden 32, 4 heads, 2 KV heads) in eval mode.
+def build_tiny_model(family: str = "llama", dtype: torch.dtype = torch.float64, seed: int = 0, vocab: int = 64,
+                     layers: int = 2, **overrides) -> torch.nn.Module:
+    """A freshly initialised tiny causal LM in eval mode with no special tokens (bos/eos/pad = None).
 
-    Token ids of special tokens are None so only `max_new_tokens` or an explicit `eos_token_id` stop it.
+    `overrides` go to the config (e.g. `attn_implementation="eager"`). A larger-than-default initializer range
+    makes attention and logits far from uniform, so a wrong mask or position changes the logits visibly.
     """
-    config_cls, model_cls = FAMILIES[family]
-    config = config_cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    import transformers  # here, not at the top: test files without models should not pay for the import
+
+    names = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+    config_cls, model_cls = (getattr(transformers, name) for name in names[family])
+    kwargs = dict(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+    )  # fmt: skip
+    kwargs.update(overrides)
     torch.manual_seed(seed)
-    model = model_cls(config).to(dtype).eval()
+    model = model_cls(config_cls(**kwargs)).to(dtype).eval()
+    model.generation_config.bos_token_id = None
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     return model
