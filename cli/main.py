@@ -39,5 +39,10 @@ def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, **k
     run_generate(text, model_path, chat, max_new_tokens, config, stats, compare)
 
 
+from lookahead.cli.serve import serve  # noqa: E402  (after `main` exists)
+
+main.add_command(serve)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

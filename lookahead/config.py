@@ -19,6 +19,9 @@ class LookaheadConfig:
       - shared: up to `shared_candidates` continuations from a cross-request drafter, when one is given.
     Every candidate is at most `max_draft_len` tokens; the merged trie keeps at most `tree_budget` nodes
     besides the root (0 = verify no drafts: plain decoding through the same loop).
+    With `adaptive` (the default) `tree_budget` and the window are upper bounds: each step keeps only the
+    nodes and window rows that pay for themselves on the measured cost curve (see `budget.py`); with
+    `adaptive=False` every step verifies the full tree and window.
     """
 
     window_levels: int = 2
@@ -33,6 +36,7 @@ class LookaheadConfig:
     prompt_max_ngram: int = 4
     max_draft_len: int = 8
     tree_budget: int = 16
+    adaptive: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -48,8 +52,9 @@ class LookaheadConfig:
         _check_range("max_draft_len", self.max_draft_len, 1, 256)
         _check_range("tree_budget", self.tree_budget, 0, 1024)
         _check_range("seed", self.seed, 0, 2**63 - 1)
-        if not isinstance(self.pool_from_text, bool):
-            raise ValueError(f"pool_from_text must be a bool, got {self.pool_from_text!r}")
+        for name in ("pool_from_text", "adaptive"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def window_size(self) -> int:

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .budget import CostCurve, StepPlanner
 from .cache import check_compactable, keep_rows
 from .config import LookaheadConfig
-from .drafters import DRAFTER_NAMES, Drafters
+from .drafters import DRAFTER_NAMES, POOL, Drafters
 from .jacobi import JacobiWindow
 from .layout import pack
 from .stats import DecodeStats
@@ -25,7 +26,8 @@ class DecodeRequest:
     input_ids: [1, L] prompt; prompt_kwargs: the model kwargs for the prefill forward (cache, attention mask,
     position ids, ...); logits_processor / stopping_criteria: HF lists; max_length: prompt + new tokens cap;
     streamer: optional HF streamer that receives committed tokens; shared_drafter: optional cross-request drafter
-    (see `drafters.SharedDrafter`).
+    (see `drafters.SharedDrafter`); cost_curve: the model's measured cost curve (None = verify the whole tree and
+    window every step).
     """
 
     input_ids: torch.Tensor
@@ -35,6 +37,7 @@ class DecodeRequest:
     max_length: int
     streamer: object = None
     shared_drafter: object = None
+    cost_curve: CostCurve | None = None
 
 
 class Decoder:
@@ -55,6 +58,7 @@ class Decoder:
             if config.window_size else None
         if self.window is not None:
             self.window.reset(prompt)
+        self.planner = StepPlanner(request.cost_curve, len(DRAFTER_NAMES), config.window_size)
         self.prefix_hidden = _hidden_slots(request.prompt_kwargs.get("attention_mask"))
         self.device = request.input_ids.device
 
@@ -91,7 +95,9 @@ class Decoder:
         t0 = time.perf_counter()
         root = int(self.ids[self.length - 1])
         tree = self.drafters.draft(root, max_len=self.request.max_length - self.length - 1)
-        inputs = pack(tree, self.window, self.root_position, self.prefix_len, self.prefix_hidden,
+        tree, use_window = self.planner.plan(tree)
+        window = self.window if use_window else None
+        inputs = pack(tree, window, self.root_position, self.prefix_len, self.prefix_hidden,
                       self.model.dtype, self.device)
         t1 = time.perf_counter()
         logits = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
@@ -101,20 +107,21 @@ class Decoder:
         verdict = verify_greedy(tree, logits[: inputs.n_tree], self._scorer if self._has_processors() else None)
         tokens, finished = self._cut_at_stop(verdict.tokens)
         keep_rows(self.cache, self.prefix_len, verdict.path[: len(tokens)])
-        self._advance(tokens, logits[inputs.n_tree:])
+        self.planner.learn(tree, verdict.path[: len(tokens)], window is not None, POOL)
+        self._advance(tokens, logits[inputs.n_tree:] if window is not None else None)
         self._record(tree, verdict, tokens, inputs.input_ids.shape[1])
         self.stats.draft_time += t1 - t0
         self.stats.forward_time += t2 - t1
         self.stats.verify_time += time.perf_counter() - t2
         return finished
 
-    def _advance(self, tokens: list[int], window_logits: torch.Tensor) -> None:
-        """Move the root past `tokens`, iterate the window, feed the drafters, stream the tokens."""
+    def _advance(self, tokens: list[int], window_logits: torch.Tensor | None) -> None:
+        """Move the root past `tokens`, iterate the window (if it ran), feed the drafters, stream the tokens."""
         self.prefix_len += len(tokens)
         self.root_position += len(tokens)
         if self.prefix_hidden is not None:
             self.prefix_hidden = torch.cat([self.prefix_hidden, torch.zeros(len(tokens), dtype=torch.bool)])
-        if self.window is not None:
+        if window_logits is not None:
             outputs = window_logits.argmax(dim=-1).cpu().numpy()
             grams = self.window.advance(outputs, len(tokens), self.ids[: self.length])
             self.drafters.harvest(grams)

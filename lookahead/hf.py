@@ -16,6 +16,7 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .budget import cost_curve_for
 from .config import LookaheadConfig
 from .decoder import DecodeRequest, Decoder
 from .stats import DecodeStats
@@ -48,13 +49,21 @@ class Lookahead:
             lookahead_streamer.put(input_ids.cpu())  # generate only feeds the prompt to its own `streamer=`
         request = DecodeRequest(input_ids=input_ids, prompt_kwargs=model_kwargs, logits_processor=logits_processor,
                                 stopping_criteria=stopping_criteria, max_length=generation_config.max_length,
-                                streamer=lookahead_streamer, shared_drafter=self.shared_drafter)
+                                streamer=lookahead_streamer, shared_drafter=self.shared_drafter,
+                                cost_curve=self._cost_curve(model))
         decoder = Decoder(model, self.config, request)
         sequences = decoder.run()
         self.last_stats = decoder.stats
         if generation_config.return_dict_in_generate:
             return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=decoder.cache)
         return sequences
+
+
+    def _cost_curve(self, model):
+        """The model's measured cost curve when the budget adapts (measured once, then cached on disk)."""
+        if self.config.adaptive and self.config.speculates:
+            return cost_curve_for(model)
+        return None
 
 
 def _check_generation_config(config: GenerationConfig, input_ids: torch.Tensor) -> None:

@@ -1,0 +1,441 @@
+"""Speed suite: HF greedy, HF prompt lookup, HF assisted generation and lookahead on the same prompts.
+
+    python benchmarks/bench_generate.py [--model PATH] [--categories code rag ...] [--prompts-per-category 4]
+        [--max-new-tokens 128] [--repeats 2] [--threads 2] [--methods hf_greedy lookahead ...]
+        [--config window_levels=3 ...] [--draft-model PATH] [--out benchmarks/results/NAME.json] [--plots]
+
+All methods run in one process on the same encoded prompts, greedy (`do_sample=False`). After one untimed
+warm-up run per method, every repetition visits every prompt and runs all methods on it in an order rotated
+from prompt to prompt, so slow phases of a noisy machine hit every method alike. Each run records its time, new
+tokens, target forwards (counted with a forward pre-hook, the same way for every method) and whether its output
+is token-identical to HF greedy on the same prompt and repetition. Per category the summary gives, for each
+method, the sum over prompts of the median (and of the min) time over repetitions, the speedups as ratios of
+those sums, tokens per step, tokens/s and the identical-output rate. The markdown table printed at the end is
+ready for the README; the JSON holds every run, the summary, the settings, the machine and the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from prompts import CATEGORIES, DEFAULT_CATEGORIES, DEFAULT_PROMPTS_DIR, Prompt, encode, load_prompts
+
+METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted", "lookahead", "lookahead_off")
+DEFAULT_METHODS = ("hf_greedy", "hf_prompt_lookup", "lookahead")
+REFERENCE = "hf_greedy"  # outputs of every other method are compared with it, token for token
+BASELINES = ("hf_greedy", "hf_prompt_lookup")  # speedups are reported against these
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def run_suite(model, tokenizer, prompts: list[Prompt], methods, repeats: int, max_new_tokens: int,
+              config, *, prompt_lookup_tokens: int = 10, draft_model=None, progress: bool = True) -> dict:
+    """Run every method on every prompt `repeats` times (interleaved) and summarize.
+
+    `config` is the `LookaheadConfig` of the `lookahead` method (`lookahead_off` always uses
+    `LookaheadConfig.off()`); `hf_assisted` needs `draft_model`. Returns a JSON-ready dict with `settings`,
+    `prompts` (id, category, prompt tokens), `runs` (one dict per timed run, see `_timed_run`) and `summary`
+    (see `summarize`). Raises `ValueError` for an unknown method, a missing draft model or bad counts.
+    """
+    _check_suite_args(methods, repeats, max_new_tokens, prompts, draft_model)
+    kwargs = method_kwargs(methods, config, prompt_lookup_tokens, draft_model)
+    encoded = [encode(tokenizer, prompt).to(model.device) for prompt in prompts]  # [1, L] each
+    bar = _progress_bar(len(methods) * (1 + repeats * len(prompts)), progress)
+    runs: list[dict] = []
+    with ForwardCounter(model) as counter:
+        for method in methods:  # warm-up: JIT compiles, allocator and kernel caches; not recorded
+            bar.set_postfix_str(f"warm-up {method}")
+            _timed_run(model, encoded[0], method, kwargs[method], max_new_tokens, counter)
+            bar.update()
+        for repeat in range(repeats):
+            for index, (prompt, input_ids) in enumerate(zip(prompts, encoded)):
+                round_runs = []
+                for slot, method in enumerate(rotated(methods, repeat * len(prompts) + index)):
+                    bar.set_postfix_str(f"{prompt.category} {method}")
+                    run = _timed_run(model, input_ids, method, kwargs[method], max_new_tokens, counter)
+                    round_runs.append(dict(prompt_id=prompt.id, category=prompt.category, repeat=repeat,
+                                           slot=slot, **run))
+                    bar.update()
+                mark_identity(round_runs)
+                runs += round_runs
+    bar.close()
+    return {
+        "settings": {"methods": list(methods), "repeats": repeats, "max_new_tokens": max_new_tokens,
+                     "prompt_lookup_tokens": prompt_lookup_tokens, "lookahead_config": config.as_dict(),
+                     "dtype": str(model.dtype).removeprefix("torch.")},
+        "prompts": [{"id": p.id, "category": p.category, "chat": p.chat, "prompt_tokens": int(ids.shape[1])}
+                    for p, ids in zip(prompts, encoded)],
+        "runs": runs,
+        "summary": summarize(runs, methods),
+    }
+
+
+def method_kwargs(methods, config, prompt_lookup_tokens: int, draft_model) -> dict[str, dict]:
+    """The extra `generate` keyword arguments of each method (one `Lookahead` object per lookahead method)."""
+    from lookahead import Lookahead, LookaheadConfig
+
+    table = {
+        "hf_greedy": lambda: {},
+        "hf_prompt_lookup": lambda: {"prompt_lookup_num_tokens": prompt_lookup_tokens},
+        "hf_assisted": lambda: {"assistant_model": draft_model},
+        "lookahead": lambda: {"custom_generate": Lookahead(config)},
+        "lookahead_off": lambda: {"custom_generate": Lookahead(LookaheadConfig.off())},
+    }
+    return {method: table[method]() for method in methods}
+
+
+class ForwardCounter:
+    """Counts calls of `model.forward` (target forwards) while active; a context manager."""
+
+    def __init__(self, model):
+        self.model, self.count, self._handle = model, 0, None
+
+    def __enter__(self) -> "ForwardCounter":
+        self._handle = self.model.register_forward_pre_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+
+    def _hook(self, module, args) -> None:
+        self.count += 1
+
+
+def _timed_run(model, input_ids: torch.Tensor, method: str, kwargs: dict, max_new_tokens: int,
+               counter: ForwardCounter) -> dict:
+    """Generate once greedily and measure it.
+
+    Returns `method`, `seconds`, `prompt_tokens`, `new_tokens`, `tokens_per_second`, `forwards` (target forwards,
+    prefill included), `tokens_per_step` (new tokens after the first, per target forward after the first),
+    `tokens` (the new token ids) and `stats` (`DecodeStats.as_dict()` for lookahead methods, else None).
+    """
+    counter.count = 0
+    start = time.perf_counter()
+    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                            do_sample=False, **kwargs)  # [1, L + new]
+    seconds = time.perf_counter() - start
+    tokens = output[0, input_ids.shape[1]:].tolist()
+    decoder = kwargs.get("custom_generate")
+    steps = counter.count - 1
+    return {
+        "method": method, "seconds": seconds, "prompt_tokens": int(input_ids.shape[1]), "new_tokens": len(tokens),
+        "tokens_per_second": len(tokens) / seconds, "forwards": counter.count,
+        "tokens_per_step": (len(tokens) - 1) / steps if steps > 0 else 1.0,
+        "tokens": tokens, "stats": decoder.last_stats.as_dict() if decoder is not None else None,
+    }
+
+
+def rotated(methods, shift: int) -> list[str]:
+    """`methods` rotated left by `shift` (mod its length): the run order for one prompt."""
+    methods = list(methods)
+    shift %= len(methods)
+    return methods[shift:] + methods[:shift]
+
+
+def mark_identity(round_runs: list[dict]) -> None:
+    """Set `identical` and `first_divergence` on each run of one prompt and repetition, vs `REFERENCE`.
+
+    Both stay None for the reference itself and when it did not run; `first_divergence` is the index of the
+    first differing new token (or the shorter length when one output is a prefix of the other).
+    """
+    reference = next((run["tokens"] for run in round_runs if run["method"] == REFERENCE), None)
+    for run in round_runs:
+        run["identical"] = run["first_divergence"] = None
+        if reference is None or run["method"] == REFERENCE:
+            continue
+        run["identical"] = run["tokens"] == reference
+        if not run["identical"]:
+            pairs = zip(run["tokens"], reference)
+            run["first_divergence"] = next((i for i, (a, b) in enumerate(pairs) if a != b),
+                                           min(len(run["tokens"]), len(reference)))
+
+
+def summarize(runs: list[dict], methods) -> dict:
+    """Per group (each category, then "all") and method: times, rates and speedups (see `_method_summary`)."""
+    groups = list(dict.fromkeys(run["category"] for run in runs))  # in run (= prompt) order
+    summary = {}
+    for group in [*groups, "all"]:
+        members = [run for run in runs if group in ("all", run["category"])]
+        by_method = {m: [run for run in members if run["method"] == m] for m in methods}
+        medians = {m: _prompt_times(rs, statistics.median) for m, rs in by_method.items()}
+        per_method = {m: _method_summary(rs) for m, rs in by_method.items()}
+        for method, entry in per_method.items():
+            for baseline in BASELINES:
+                if baseline in per_method and entry["runs"]:
+                    _add_speedups(entry, per_method[baseline], baseline, medians[method], medians[baseline])
+        summary[group] = per_method
+    return summary
+
+
+def _prompt_times(runs: list[dict], reduce) -> dict[str, float]:
+    """Per prompt id, `reduce` (median or min) of the run times."""
+    by_prompt: dict[str, list[float]] = {}
+    for run in runs:
+        by_prompt.setdefault(run["prompt_id"], []).append(run["seconds"])
+    return {pid: reduce(seconds) for pid, seconds in by_prompt.items()}
+
+
+def _method_summary(runs: list[dict]) -> dict:
+    """Aggregate the runs of one method over a group of prompts.
+
+    `time_median_s` / `time_min_s` are sums over prompts of the per-prompt median / min over repetitions;
+    `tokens_per_second` divides the summed per-prompt median new tokens by `time_median_s`; `tokens_per_step`
+    is tokens committed per target forward after the prefill, pooled over all runs; `identical_rate` is None
+    when no run was checked.
+    """
+    new_tokens: dict[str, list[int]] = {}
+    for run in runs:
+        new_tokens.setdefault(run["prompt_id"], []).append(run["new_tokens"])
+    tokens = sum(statistics.median(counts) for counts in new_tokens.values())
+    time_median = sum(_prompt_times(runs, statistics.median).values())
+    time_min = sum(_prompt_times(runs, min).values())
+    steps = sum(run["forwards"] - 1 for run in runs)
+    checked = [run["identical"] for run in runs if run["identical"] is not None]
+    return {
+        "prompts": len(new_tokens), "runs": len(runs),
+        "time_median_s": time_median, "time_min_s": time_min, "new_tokens": tokens,
+        "tokens_per_second": tokens / time_median if time_median else 0.0,
+        "tokens_per_second_best": tokens / time_min if time_min else 0.0,
+        "tokens_per_step": sum(run["new_tokens"] - 1 for run in runs) / steps if steps > 0 else 1.0,
+        "identical_runs": sum(checked), "checked_runs": len(checked),
+        "identical_rate": sum(checked) / len(checked) if checked else None,
+    }
+
+
+def _add_speedups(entry: dict, base: dict, baseline: str, medians: dict, base_medians: dict) -> None:
+    """Add `speedup_vs_<baseline>` (ratio of summed median times), `..._min` (of summed minima) and
+    `speedup_per_prompt_vs_<baseline>` (per-prompt ratio of median times) to `entry`."""
+    entry[f"speedup_vs_{baseline}"] = base["time_median_s"] / entry["time_median_s"]
+    entry[f"speedup_vs_{baseline}_min"] = base["time_min_s"] / entry["time_min_s"]
+    entry[f"speedup_per_prompt_vs_{baseline}"] = {pid: base_medians[pid] / t for pid, t in medians.items()}
+
+
+def format_tables(result: dict) -> str:
+    """Markdown: the machine and command line, then one table per non-baseline method (rows: categories, all).
+
+    `result` is `run_suite`'s dict plus `machine` (`machine_info`), `model` (a name) and `command` (a string).
+    """
+    methods = result["settings"]["methods"]
+    subjects = [m for m in methods if m not in BASELINES] or [m for m in methods if m != REFERENCE] or methods
+    lines = [_machine_line(result), "", f"Command: `{result['command']}`", ""]
+    for method in subjects:
+        lines += _method_table(result, method) + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _machine_line(result: dict) -> str:
+    """One line naming the machine, library versions, threads, dtype, model and run sizes."""
+    settings, machine = result["settings"], result["machine"]
+    load = machine["load_average"]
+    return (f"CPU: {machine['cpu']} ({machine['cpu_count']} cores), {machine['threads']} threads, "
+            f"{settings['dtype']}; torch {machine['torch']}, transformers {machine['transformers']}, "
+            f"lookahead {machine['lookahead']}; model: {result['model']}; max {settings['max_new_tokens']} new tokens, "
+            f"repetitions: {settings['repeats']}; load average " + " → ".join(f"{x:.1f}" for x in load))
+
+
+def _method_table(result: dict, method: str) -> list[str]:
+    """Rows of one method's markdown table: tok/s of the baselines and the method, speedups, tok/step, identity."""
+    summary = result["summary"]
+    header = ["category", "prompts", "HF greedy tok/s", "HF prompt lookup tok/s", f"{method} tok/s",
+              "× greedy (median / min)", "× prompt lookup (median / min)", "tokens/step", "identical"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    for group, per_method in summary.items():
+        entry = per_method[method]
+        cells = [group if group != "all" else "**all**", str(entry["prompts"]),
+                 _rate(per_method.get("hf_greedy")), _rate(per_method.get("hf_prompt_lookup")), _rate(entry),
+                 _speedup(entry, "hf_greedy"), _speedup(entry, "hf_prompt_lookup"),
+                 f"{entry['tokens_per_step']:.2f}",
+                 f"{entry['identical_runs']}/{entry['checked_runs']}" if entry["checked_runs"] else "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _rate(entry: dict | None) -> str:
+    """Median-based tokens/s of a method's summary entry, or a dash when the method did not run."""
+    return f"{entry['tokens_per_second']:.1f}" if entry and entry["runs"] else "–"
+
+
+def _speedup(entry: dict, baseline: str) -> str:
+    """'2.10x / 2.25x' (median / min based) against `baseline`, or a dash."""
+    key = f"speedup_vs_{baseline}"
+    return f"{entry[key]:.2f}x / {entry[key + '_min']:.2f}x" if key in entry else "–"
+
+
+def machine_info(threads: int) -> dict:
+    """CPU model, core count, threads, 1-minute load average (a list: main appends the value at the end),
+    and the Python/torch/transformers/lookahead versions."""
+    import transformers
+
+    import lookahead
+
+    return {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "threads": threads,
+            "load_average": [os.getloadavg()[0]], "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "lookahead": lookahead.__version__}
+
+
+def _cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo (Linux), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    """`["window_levels=3", "pool_from_text=false"]` → `{"window_levels": 3, "pool_from_text": False}`.
+
+    Values are parsed by the type of the field's default in `LookaheadConfig`. Raises `ValueError` naming the
+    bad pair, an unknown field (with the valid ones) or a value of the wrong type.
+    """
+    from lookahead import LookaheadConfig
+
+    defaults = LookaheadConfig().as_dict()
+    overrides = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name:
+            raise ValueError(f"--config expects key=value, got {pair!r}")
+        if name not in defaults:
+            raise ValueError(f"unknown lookahead option {name!r}; valid options: {sorted(defaults)}")
+        overrides[name] = _parse_value(name, value, type(defaults[name]))
+    return overrides
+
+
+def _parse_value(name: str, value: str, kind: type):
+    """Parse `value` as a `kind` (bool, int, float or str); raises `ValueError` naming `name`."""
+    if kind is bool:
+        words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+        if value.lower() not in words:
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        return words[value.lower()]
+    if kind not in (int, float, str):
+        raise ValueError(f"{name} cannot be set from the command line (a {kind.__name__} field)")
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{name} must be {kind.__name__}, got {value!r}") from None
+
+
+def write_json(result: dict, path: Path) -> None:
+    """Write `result` to `path` (through a .tmp file renamed into place), creating the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    partial.replace(path)
+
+
+def _check_suite_args(methods, repeats: int, max_new_tokens: int, prompts: list, draft_model) -> None:
+    """Raise `ValueError` naming the first bad suite argument."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods or len(set(methods)) != len(methods):
+        raise ValueError(f"methods must be distinct names from {list(METHODS)}, got {list(methods)}")
+    if "hf_assisted" in methods and draft_model is None:
+        raise ValueError("method hf_assisted needs a draft model (--draft-model PATH)")
+    if repeats < 1 or max_new_tokens < 1 or not prompts:
+        raise ValueError(f"need repeats >= 1, max_new_tokens >= 1 and prompts (got {repeats}, {max_new_tokens}, "
+                         f"{len(prompts)} prompts)")
+
+
+def _progress_bar(total: int, enabled: bool):
+    """A tqdm bar on stderr (a no-op bar when disabled)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, file=sys.stderr, unit="run", dynamic_ncols=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")
+    parser.add_argument("--categories", nargs="+", default=list(DEFAULT_CATEGORIES), choices=list(CATEGORIES),
+                        metavar="CATEGORY",
+                        help=f"of {', '.join(CATEGORIES)} (default: {' '.join(DEFAULT_CATEGORIES)})")
+    parser.add_argument("--prompts-per-category", type=int, default=4)
+    parser.add_argument("--prompts-dir", type=Path, default=DEFAULT_PROMPTS_DIR)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
+                        help=f"of {', '.join(METHODS)} (default: {' '.join(DEFAULT_METHODS)}, "
+                             "+ hf_assisted with --draft-model)")
+    parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                        help="LookaheadConfig override for the lookahead method (repeatable)")
+    parser.add_argument("--draft-model", default=None, help="draft model for HF assisted generation")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/<time>.json)")
+    parser.add_argument("--plots", action="store_true", help="also save PNG plots next to the JSON")
+    args = parser.parse_args(argv)
+    for name in ("prompts_per_category", "max_new_tokens", "repeats", "threads", "prompt_lookup_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.methods is None:
+        args.methods = [*DEFAULT_METHODS, *(["hf_assisted"] if args.draft_model else [])]
+    if "hf_assisted" in args.methods and not args.draft_model:
+        parser.error("--methods hf_assisted needs --draft-model PATH")
+    try:
+        from lookahead import LookaheadConfig
+
+        args.lookahead_config = LookaheadConfig().with_overrides(**parse_overrides(args.config))
+        args.prompts = load_prompts(args.categories, args.prompts_per_category, args.prompts_dir)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the suite from the command line; print the markdown tables and write the JSON (and plots)."""
+    args = parse_args(argv)
+    from lookahead import load_model
+
+    torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model, tokenizer = load_model(args.model, dtype=dtype)
+    draft_model = load_model(args.draft_model, dtype=dtype)[0] if args.draft_model else None
+    machine = machine_info(args.threads)
+    result = run_suite(model, tokenizer, args.prompts, args.methods, args.repeats, args.max_new_tokens,
+                       args.lookahead_config, prompt_lookup_tokens=args.prompt_lookup_tokens,
+                       draft_model=draft_model)
+    machine["load_average"].append(os.getloadavg()[0])
+    result = {"command": _command_line(), "model": args.model or "SmolLM2-135M-Instruct (embedded default)",
+              "draft_model": args.draft_model, "machine": machine,
+              "date": datetime.datetime.now().isoformat(timespec="seconds"), **result}
+    out = args.out or RESULTS_DIR / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+    write_json(result, out)
+    print(format_tables(result))
+    print(f"results: {out}", file=sys.stderr)
+    if args.plots:
+        from plots import save_plots
+
+        for path in save_plots(result, out):
+            print(f"plot: {path}", file=sys.stderr)
+
+
+def _command_line() -> str:
+    """The command that ran this script, with the script path relative to the working directory if possible."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return shlex.join(["python", str(script), *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    main()

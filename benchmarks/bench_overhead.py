@@ -1,0 +1,153 @@
+"""Per-step overhead of lookahead: drafting + trie + mask building and verification vs the target forward.
+
+    python benchmarks/bench_overhead.py [--model PATH] [--categories code chat ...] [--prompts-per-category 2]
+        [--max-new-tokens 128] [--repeats 1] [--threads 2] [--config key=value ...] [--out PATH.json]
+
+For every prompt it runs lookahead and reads `Lookahead.last_stats`: `draft_time` (drafting, trie, layout and
+mask), `forward_time` (the target forwards) and `verify_time` (verification, cache compaction, drafter and
+window updates), per decoding step. It also runs plain HF greedy on the same prompt and times each of its decode
+forwards (hooks around `model.forward`, the prefill excluded), which gives the cost of one plain step. Issue 5
+asks drafting + trie + mask to stay within 10% of step time (`draft share`); `step cost` is a lookahead step in
+plain steps, i.e. the tokens per step a step must commit to break even.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench_generate import machine_info, parse_overrides, write_json
+from prompts import CATEGORIES, DEFAULT_PROMPTS_DIR, encode, load_prompts
+
+DEFAULT_CATEGORIES = ("code", "summarization", "chat")  # copying-friendly, grounded, free text
+
+
+class ForwardTimer:
+    """Records the wall time of every `model.forward` call while active; a context manager."""
+
+    def __init__(self, model):
+        self.model, self.times, self._start, self._handles = model, [], 0.0, []
+
+    def __enter__(self) -> "ForwardTimer":
+        self._handles = [self.model.register_forward_pre_hook(self._before),
+                         self.model.register_forward_hook(self._after)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _before(self, module, args) -> None:
+        self._start = time.perf_counter()
+
+    def _after(self, module, args, output) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+def measure_prompt(model, input_ids: torch.Tensor, decoder, max_new_tokens: int) -> dict:
+    """Run lookahead and plain greedy once on `input_ids` ([1, L]); returns lookahead's `DecodeStats` fields and
+    `greedy_step_s`, the median time of one plain decode forward (prefill excluded)."""
+    with ForwardTimer(model) as timer:
+        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                       do_sample=False)
+    model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                   do_sample=False, custom_generate=decoder)
+    decode_forwards = timer.times[1:] or timer.times
+    return {**decoder.last_stats.as_dict(), "greedy_step_s": statistics.median(decode_forwards)}
+
+
+def summarize(measurements: list[dict]) -> dict:
+    """Per-step milliseconds, shares and step cost over a group of measurements (pooled over their steps)."""
+    steps = sum(m["steps"] for m in measurements) or 1
+    draft, forward, verify = (sum(m[key] for m in measurements) for key in
+                              ("draft_time", "forward_time", "verify_time"))
+    step = (draft + forward + verify) / steps
+    greedy = statistics.median(m["greedy_step_s"] for m in measurements)
+    return {
+        "runs": len(measurements), "steps": steps,
+        "rows_per_step": sum(m["rows_verified"] for m in measurements) / steps,
+        "tokens_per_step": sum(m["step_tokens"] for m in measurements) / steps,
+        "draft_ms": 1e3 * draft / steps, "forward_ms": 1e3 * forward / steps, "verify_ms": 1e3 * verify / steps,
+        "draft_share": draft / (step * steps), "overhead_share": (draft + verify) / (step * steps),
+        "greedy_step_ms": 1e3 * greedy, "step_cost": step / greedy,
+    }
+
+
+def format_table(summary: dict) -> str:
+    """Markdown table, one row per category plus "all"."""
+    header = ["category", "steps", "rows/step", "tokens/step", "draft ms", "forward ms", "verify ms",
+              "draft share", "draft+verify share", "greedy step ms", "step cost (× greedy)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    for group, s in summary.items():
+        cells = [group if group != "all" else "**all**", str(s["steps"]), f"{s['rows_per_step']:.1f}",
+                 f"{s['tokens_per_step']:.2f}", f"{s['draft_ms']:.2f}", f"{s['forward_ms']:.1f}",
+                 f"{s['verify_ms']:.2f}", f"{s['draft_share']:.2%}", f"{s['overhead_share']:.2%}",
+                 f"{s['greedy_step_ms']:.1f}", f"{s['step_cost']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")
+    parser.add_argument("--categories", nargs="+", default=list(DEFAULT_CATEGORIES), choices=list(CATEGORIES),
+                        metavar="CATEGORY",
+                        help=f"of {', '.join(CATEGORIES)} (default: {' '.join(DEFAULT_CATEGORIES)})")
+    parser.add_argument("--prompts-per-category", type=int, default=2)
+    parser.add_argument("--prompts-dir", type=Path, default=DEFAULT_PROMPTS_DIR)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                        help="LookaheadConfig override (repeatable)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the measurements as JSON")
+    args = parser.parse_args(argv)
+    for name in ("prompts_per_category", "max_new_tokens", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    try:
+        from lookahead import LookaheadConfig
+
+        args.lookahead_config = LookaheadConfig().with_overrides(**parse_overrides(args.config))
+        args.prompts = load_prompts(args.categories, args.prompts_per_category, args.prompts_dir)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Measure, print the markdown table, optionally write JSON."""
+    args = parse_args(argv)
+    from tqdm import tqdm
+
+    from lookahead import Lookahead, load_model
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    decoder = Lookahead(args.lookahead_config)
+    encoded = [encode(tokenizer, prompt) for prompt in args.prompts]
+    measure_prompt(model, encoded[0], decoder, args.max_new_tokens)  # warm-up (numba JIT, caches)
+    measurements = []
+    for _ in tqdm(range(args.repeats), desc="repeats", file=sys.stderr, disable=args.repeats == 1):
+        for prompt, input_ids in tqdm(list(zip(args.prompts, encoded)), desc="prompts", file=sys.stderr):
+            measured = measure_prompt(model, input_ids, decoder, args.max_new_tokens)
+            measurements.append({"prompt_id": prompt.id, "category": prompt.category, **measured})
+    groups = list(dict.fromkeys(m["category"] for m in measurements))
+    summary = {g: summarize([m for m in measurements if m["category"] == g]) for g in groups}
+    summary["all"] = summarize(measurements)
+    print(format_table(summary))
+    if args.out:
+        write_json({"machine": machine_info(args.threads), "config": args.lookahead_config.as_dict(),
+                    "max_new_tokens": args.max_new_tokens, "measurements": measurements, "summary": summary},
+                   args.out)
+        print(f"results: {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Benchmark prompts from ../shared/prompts, grouped into the suite's categories, and their encoding.
+
+Each suite category draws from one prompt file and one or more source categories of it:
+
+| category       | file               | source categories                                  | chat template |
+|----------------|--------------------|----------------------------------------------------|---------------|
+| code           | humaneval.jsonl    | code (complete the function body)                  | no            |
+| summarization  | spec_bench.jsonl   | summarization                                      | yes           |
+| rag            | spec_bench.jsonl   | rag                                                | yes           |
+| translation    | spec_bench.jsonl   | translation                                        | yes           |
+| math_reasoning | spec_bench.jsonl   | math_reasoning                                     | yes           |
+| qa             | spec_bench.jsonl   | qa                                                 | yes           |
+| chat           | spec_bench.jsonl   | the 8 MT-Bench categories (writing, roleplay, ...) | yes           |
+
+HumanEval prompts are code to be continued, so they are encoded as plain text; Spec-Bench prompts are
+instructions and go through the model's chat template. MT-Bench items have two turns; only the first is used
+(the second needs the model's own first answer). Selection is deterministic: the first prompts of the file,
+taken round-robin over the source categories (so 4 `chat` prompts are writing, roleplay, reasoning, math).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parents[2] / "shared" / "prompts"
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+@dataclass(frozen=True)
+class CategorySpec:
+    """Where a suite category's prompts come from and whether they are wrapped in the chat template."""
+
+    file: str
+    sources: tuple[str, ...]
+    chat: bool
+
+
+CATEGORIES = {
+    "code": CategorySpec("humaneval.jsonl", ("code",), chat=False),
+    "summarization": CategorySpec("spec_bench.jsonl", ("summarization",), chat=True),
+    "rag": CategorySpec("spec_bench.jsonl", ("rag",), chat=True),
+    "translation": CategorySpec("spec_bench.jsonl", ("translation",), chat=True),
+    "math_reasoning": CategorySpec("spec_bench.jsonl", ("math_reasoning",), chat=True),
+    "qa": CategorySpec("spec_bench.jsonl", ("qa",), chat=True),
+    "chat": CategorySpec("spec_bench.jsonl", MT_BENCH, chat=True),
+}
+DEFAULT_CATEGORIES = ("code", "summarization", "rag", "translation", "math_reasoning", "chat")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One benchmark prompt: `text` is the raw first turn; `chat` says whether to apply the chat template."""
+
+    id: str
+    category: str
+    text: str
+    chat: bool
+
+
+def load_prompts(categories, per_category: int, prompts_dir: str | Path = DEFAULT_PROMPTS_DIR) -> list[Prompt]:
+    """Return `per_category` prompts for each of `categories`, grouped by category in the given order.
+
+    Raises `ValueError` for an unknown category, a missing prompt file, or a category with too few prompts.
+    """
+    unknown = [name for name in categories if name not in CATEGORIES]
+    if unknown:
+        raise ValueError(f"unknown categories {unknown}; valid categories: {sorted(CATEGORIES)}")
+    if per_category < 1:
+        raise ValueError(f"prompts per category must be at least 1, got {per_category}")
+    prompts: list[Prompt] = []
+    for name in categories:
+        spec = CATEGORIES[name]
+        by_source = _read_by_source(Path(prompts_dir) / spec.file, spec.sources)
+        picked = _round_robin([by_source[source] for source in spec.sources], per_category)
+        if len(picked) < per_category:
+            raise ValueError(f"category {name!r} has only {len(picked)} prompts, {per_category} requested")
+        prompts += [Prompt(id=item["id"], category=name, text=item["turns"][0], chat=spec.chat) for item in picked]
+    return prompts
+
+
+def encode(tokenizer, prompt: Prompt) -> torch.Tensor:
+    """Token ids `[1, L]` of `prompt`, through the tokenizer's chat template when `prompt.chat`.
+
+    Raises `ValueError` if a chat prompt meets a tokenizer without a chat template.
+    """
+    text = prompt.text
+    if prompt.chat:
+        if not tokenizer.chat_template:
+            raise ValueError(f"prompt {prompt.id} needs a chat template, but the tokenizer has none")
+        messages = [{"role": "user", "content": text}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The chat template already holds any special tokens the model expects at the start.
+    return tokenizer(text, return_tensors="pt", add_special_tokens=not prompt.chat).input_ids
+
+
+def _read_by_source(path: Path, sources: tuple[str, ...]) -> dict[str, list[dict]]:
+    """Items of the JSONL file `path` whose `category` is one of `sources`, per source, in file order."""
+    if not path.is_file():
+        raise ValueError(f"prompt file not found: {path} (pass --prompts-dir)")
+    by_source: dict[str, list[dict]] = {source: [] for source in sources}
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            if line.strip():
+                item = json.loads(line)
+                if item["category"] in by_source:
+                    by_source[item["category"]].append(item)
+    return by_source
+
+
+def _round_robin(groups: list[list[dict]], count: int) -> list[dict]:
+    """Up to `count` items taken from `groups` in turn: first of each group, then second of each, ..."""
+    picked: list[dict] = []
+    for rank in range(max((len(group) for group in groups), default=0)):
+        picked += [group[rank] for group in groups if rank < len(group)]
+    return picked[:count]

@@ -1,0 +1,187 @@
+"""Measured cost curve → how many rows to verify per step.
+
+Verifying k new rows costs `ratio(k)` times one single-token decode step. The curve is measured once per
+model / device / dtype / thread count with a few short forwards and cached on disk. Each step the policy
+keeps the draft-tree nodes and window rows that maximise expected committed tokens per unit of cost, using
+running acceptance rates per drafter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from .paths import cache_dir
+
+CURVE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+CURVE_PREFIX = 256
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """t(k)/t(1) for k new rows on a cache of `prefix_len` slots; `base_seconds` = t(1)."""
+
+    sizes: tuple[int, ...]
+    ratios: tuple[float, ...]
+    base_seconds: float
+    prefix_len: int = CURVE_PREFIX
+
+    def ratio(self, rows: int) -> float:
+        """Cost of a forward of `rows` rows relative to one row (linear inter- and extrapolation)."""
+        sizes, ratios = self.sizes, self.ratios
+        if rows <= sizes[-1]:
+            return float(np.interp(rows, sizes, ratios))
+        slope = (ratios[-1] - ratios[-2]) / (sizes[-1] - sizes[-2])
+        return ratios[-1] + slope * (rows - sizes[-1])
+
+    def to_json(self) -> str:
+        """JSON text of the curve (for the on-disk cache and `lookahead calibrate`)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostCurve":
+        """Inverse of `to_json`."""
+        data = json.loads(text)
+        return cls(tuple(data["sizes"]), tuple(data["ratios"]), data["base_seconds"], data["prefix_len"])
+
+
+def curve_key(model) -> str:
+    """Cache key: model config, device, dtype, torch threads and torch version."""
+    parts = [model.config.to_json_string(use_diff=False), str(model.device), str(model.dtype),
+             str(torch.get_num_threads()), torch.__version__]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+_MEMORY: dict[str, CostCurve] = {}
+
+
+def cost_curve_for(model, refresh: bool = False, quiet: bool = False) -> CostCurve:
+    """The model's cost curve: from memory, else from the disk cache, else measured (a few seconds) and cached."""
+    key = curve_key(model)
+    path = cache_dir() / "cost" / f"{key}.json"
+    if not refresh and key in _MEMORY:
+        return _MEMORY[key]
+    if not refresh and path.exists():
+        _MEMORY[key] = CostCurve.from_json(path.read_text())
+        return _MEMORY[key]
+    if not quiet:
+        print("lookahead: measuring this model's verification cost curve once (cached in "
+              f"{path.parent})", file=sys.stderr)
+    curve = measure_cost_curve(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(curve.to_json())
+    _MEMORY[key] = curve
+    return curve
+
+
+@torch.no_grad()
+def measure_cost_curve(model, sizes: tuple[int, ...] = CURVE_SIZES, prefix_len: int = CURVE_PREFIX,
+                       repeats: int = 5) -> CostCurve:
+    """Time forwards of k rows (with a 4D mask, as in verification) on a `prefix_len` cache; median per k."""
+    from transformers import DynamicCache
+
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, prefix_len), generator=generator).to(model.device)
+    cache = DynamicCache(config=model.config)
+    model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    medians = {}
+    for _ in range(repeats):  # interleave sizes so drifting machine load hits them alike
+        for k in sizes:
+            medians.setdefault(k, []).append(_time_rows(model, cache, prefix_len, k, vocab))
+    seconds = [float(np.median(medians[k])) for k in sizes]
+    ratios = tuple(round(s / seconds[0], 4) for s in seconds)
+    return CostCurve(tuple(sizes), ratios, seconds[0], prefix_len)
+
+
+def _time_rows(model, cache, prefix_len: int, rows: int, vocab: int) -> float:
+    """Seconds for one forward of `rows` new rows on the cache (the cache is cropped back afterwards)."""
+    ids = torch.randint(0, vocab, (1, rows)).to(model.device)
+    positions = torch.arange(prefix_len, prefix_len + rows, device=model.device).view(1, -1)
+    mask = None if rows == 1 else torch.zeros(1, 1, rows, prefix_len + rows, dtype=model.dtype,
+                                              device=model.device)
+    start = time.perf_counter()
+    model(ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+    elapsed = time.perf_counter() - start
+    cache.crop(-rows)
+    return elapsed
+
+
+class AcceptanceRates:
+    """Running per-drafter probability that a drafted token is accepted given its parent was.
+
+    Counts decay by `decay` each step so the rates follow the text (grounded passages vs free chat).
+    """
+
+    def __init__(self, n_sources: int, prior: float = 0.3, decay: float = 0.9):
+        self.accepted = np.full(n_sources, prior * 2.0)
+        self.tested = np.full(n_sources, 2.0)
+        self.decay = decay
+
+    def rates(self) -> np.ndarray:
+        """[n_sources] current acceptance estimates in (0, 1)."""
+        return np.clip(self.accepted / self.tested, 0.01, 0.99)
+
+    def update(self, tested: np.ndarray, accepted: np.ndarray) -> None:
+        """Add one step's per-source counts of tested and accepted draft tokens."""
+        self.accepted = self.accepted * self.decay + accepted
+        self.tested = self.tested * self.decay + tested
+
+
+def best_row_count(scores: np.ndarray, window_rows: int, window_value: float, curve: CostCurve) -> tuple[int, bool]:
+    """Choose how many tree nodes to keep and whether to run the window this step.
+
+    scores: [n] estimated acceptance probabilities of the candidate nodes in the tree's pruning order (its
+    first k nodes always form a valid tree). window_value: expected extra tokens per step the window brings. Maximises (1 + sum(top-k scores) + window value) / ratio(1 + k + window rows).
+    Returns (k, use_window); (0, False) means a plain single-row step.
+    """
+    gain = np.concatenate([[1.0], 1.0 + np.cumsum(scores)])  # [n+1] expected tokens with k = 0..n
+    best = (1.0, 0, False)  # (tokens per unit cost, k, window)
+    for use_window in ((False, True) if window_rows else (False,)):
+        extra = window_rows if use_window else 0
+        bonus = window_value if use_window else 0.0
+        for k in range(len(gain)):
+            rows = 1 + k + extra
+            if rows == 1:
+                continue
+            value = (gain[k] + bonus) / curve.ratio(rows)
+            if value > best[0] * 1.02:  # prefer the cheaper option unless clearly better
+                best = (value, k, use_window)
+    return best[1], best[2]
+
+
+class StepPlanner:
+    """Per-step choice of tree size and window use from the cost curve and running acceptance rates."""
+
+    def __init__(self, curve: CostCurve | None, n_sources: int, window_rows: int):
+        """curve None = not adaptive: always verify the whole tree and the window."""
+        self.curve, self.window_rows = curve, window_rows
+        self.rates = AcceptanceRates(n_sources)
+        self.window_value = 0.5  # running tokens/step credited to the window (via the pool it feeds)
+
+    def plan(self, tree):
+        """Return (pruned tree, whether to run the window) for this step."""
+        if self.curve is None:
+            return tree, self.window_rows > 0
+        ranked = tree.ranked_nodes()
+        probs = self.rates.rates()[tree.source[ranked]] ** tree.depth[ranked]
+        k, use_window = best_row_count(probs, self.window_rows, self.window_value, self.curve)
+        return tree.prune(k), use_window
+
+    def learn(self, tree, committed_path: list[int], used_window: bool, pool_source: int) -> None:
+        """Update acceptance rates from which drafted nodes were tested (parent accepted) and accepted."""
+        on_path = np.zeros(tree.size, dtype=bool)
+        on_path[committed_path] = True
+        nodes = np.arange(1, tree.size)
+        tested = nodes[on_path[tree.parents[1:]]]
+        n = len(self.rates.tested)
+        accepted = np.bincount(tree.source[nodes[on_path[1:]]], minlength=n)
+        self.rates.update(np.bincount(tree.source[tested], minlength=n), accepted)
+        if used_window:
+            self.window_value = 0.9 * self.window_value + 0.1 * float(accepted[pool_source])

@@ -1,0 +1,265 @@
+"""Request validation and response shapes of the OpenAI-compatible server (`lookahead.server`).
+
+Requests are parsed strictly (no string-to-number coercion); unknown fields are ignored so that newer clients
+keep working, but known OpenAI fields lookahead cannot honour (n > 1, logprobs, echo, penalties, ...) are
+rejected with a 400 naming the field, never silently dropped. Every error is an `APIError`, rendered as
+OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_STOP_STRINGS = 16
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-style JSON with HTTP `status`; `param` names the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        """The JSON body: `{"error": {"message", "type", "param", "code"}}`."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Request(BaseModel):
+    """Fields shared by both endpoints. `None` everywhere means "not sent" (clients often send nulls)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: dict | None = None  # accepted; usage is always sent with the final chunk
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Request):
+    """`POST /v1/completions` body: `prompt` is a string, a list of token ids, or a list of one string."""
+
+    prompt: str | list[int] | list[str]
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    """One `{"type": "text", "text": ...}` part of a chat message's content."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat message; `content` is a string or a list of text parts (joined)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        """The message content as one string."""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Request):
+    """`POST /v1/chat/completions` body (`max_completion_tokens` is the newer name of `max_tokens`)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick tokens: `temperature` 0 is greedy; `top_p` and `seed` only matter when sampling."""
+
+    temperature: float
+    top_p: float
+    seed: int | None
+
+
+def parse_body(raw: bytes, schema: type[_Request]) -> _Request:
+    """Parse and validate a JSON request body into `schema`; raise `APIError` (400) naming the bad field."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        request = schema.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    _check_common(request)
+    return request
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    """The first pydantic error as an `APIError` naming the field path (e.g. `messages[0].role`).
+
+    For a union field pydantic reports one error per alternative, tagged with the alternative's type in the
+    location (`("prompt", "list[int]", 1)`); those become one message listing the accepted forms.
+    """
+    errors = exc.errors()
+    loc = errors[0]["loc"]
+    path, depth = "", len(loc)
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part[0].islower() and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+        else:
+            depth = i
+            break
+    if depth < len(loc):
+        forms = dict.fromkeys(str(e["loc"][depth]) for e in errors
+                              if e["loc"][:depth] == loc[:depth] and len(e["loc"]) > depth)
+        return APIError(400, f"{path}: invalid value; expected one of: {', '.join(forms)}", param=path)
+    return APIError(400, f"{path}: {errors[0]['msg']}" if path else errors[0]["msg"], param=path or None)
+
+
+_TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict")
+
+
+def _check_common(request: _Request) -> None:
+    """Range checks and fields lookahead cannot honour; raise `APIError` (400) naming the field."""
+    if request.max_tokens is not None and request.max_tokens < 1:
+        raise APIError(400, f"max_tokens must be >= 1, got {request.max_tokens}", param="max_tokens")
+    if request.temperature is not None and not 0 <= request.temperature <= 2:
+        raise APIError(400, f"temperature must be in [0, 2], got {request.temperature}", param="temperature")
+    if request.top_p is not None and not 0 < request.top_p <= 1:
+        raise APIError(400, f"top_p must be in (0, 1], got {request.top_p}", param="top_p")
+    stops = stop_strings(request)
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise APIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    unsupported = {
+        "n": request.n not in (None, 1),
+        "presence_penalty": request.presence_penalty not in (None, 0),
+        "frequency_penalty": request.frequency_penalty not in (None, 0),
+        "logit_bias": bool(request.logit_bias),
+    }
+    if isinstance(request, CompletionRequest):
+        unsupported |= {"echo": bool(request.echo), "logprobs": request.logprobs is not None,
+                        "suffix": bool(request.suffix), "best_of": request.best_of not in (None, 1)}
+    else:
+        unsupported |= {"logprobs": bool(request.logprobs), "top_logprobs": request.top_logprobs is not None,
+                        "tools": bool(request.tools), "response_format": request.response_format is not None}
+        if request.max_completion_tokens is not None and request.max_completion_tokens < 1:
+            raise APIError(400, f"max_completion_tokens must be >= 1, got {request.max_completion_tokens}",
+                           param="max_completion_tokens")
+    for name, bad in unsupported.items():
+        if bad:
+            raise APIError(400, f"{name}={getattr(request, name)!r} is not supported by lookahead serve; "
+                                f"omit it or send its default", param=name)
+
+
+def stop_strings(request: _Request) -> tuple[str, ...]:
+    """The request's stop strings as a tuple (empty when none)."""
+    if request.stop is None:
+        return ()
+    return (request.stop,) if isinstance(request.stop, str) else tuple(request.stop)
+
+
+def sampling(request: _Request) -> Sampling:
+    """The request's sampling settings; omitted temperature means 0 (greedy), omitted top_p means 1."""
+    temperature = 0.0 if request.temperature is None else request.temperature
+    top_p = 1.0 if request.top_p is None else request.top_p
+    return Sampling(temperature=temperature, top_p=top_p, seed=request.seed)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished generation: the completion text (stop string trimmed) and how it ended.
+
+    finish_reason: "stop" (EOS or stop string), "length" (max_tokens or the context), or "cancelled" (the
+    client went away; never sent). stats: `DecodeStats.as_dict()` subset, see `speculation_stats`.
+    """
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: dict
+
+
+def speculation_stats(stats) -> dict:
+    """The `lookahead` extra field of a response from a `DecodeStats`: tokens per step and friends."""
+    return {"tokens_per_step": round(stats.mean_tokens_per_step, 4), "steps": stats.steps,
+            "new_tokens": stats.new_tokens, "tokens_per_second": round(stats.tokens_per_second, 2),
+            "accepted_by_drafter": dict(stats.accepted_by_drafter)}
+
+
+class ResponseShape:
+    """Builds the JSON objects of one response (completion or chat, whole or streamed chunks)."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choice: dict) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def whole(self, completion: Completion) -> dict:
+        """The non-streaming response for `completion`, with usage and the `lookahead` stats."""
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
+                      "logprobs": None, "finish_reason": completion.finish_reason}
+            body = self._envelope("chat.completion", choice)
+        else:
+            choice = {"index": 0, "text": completion.text, "logprobs": None,
+                      "finish_reason": completion.finish_reason}
+            body = self._envelope("text_completion", choice)
+        return body | {"usage": usage(completion), "lookahead": completion.stats}
+
+    def chunk(self, text: str, first: bool = False) -> dict:
+        """A streamed chunk carrying `text` (the chat's first chunk also carries the assistant role)."""
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            return self._envelope("chat.completion.chunk",
+                                  {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+        return self._envelope("text_completion", {"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+
+    def last_chunk(self, completion: Completion, text: str) -> dict:
+        """The final streamed chunk: the remaining `text`, `finish_reason`, usage and the `lookahead` stats."""
+        body = self.chunk(text)
+        body["choices"][0]["finish_reason"] = completion.finish_reason
+        return body | {"usage": usage(completion), "lookahead": completion.stats}
+
+
+def usage(completion: Completion) -> dict:
+    """OpenAI's usage object: prompt, completion and total tokens."""
+    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
+            "total_tokens": completion.prompt_tokens + completion.completion_tokens}
+
+
+def sse(obj: dict | str) -> bytes:
+    """One server-sent event: `data: <json>` (or a literal such as `[DONE]`) and a blank line."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()

@@ -1,0 +1,152 @@
+"""Smoke tests of the benchmark suite (benchmarks/): the core loop on a tiny random model, prompts, options."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_generate  # noqa: E402  (the benchmarks folder is not a package)
+from prompts import Prompt, encode, load_prompts  # noqa: E402
+
+from lookahead import LookaheadConfig  # noqa: E402
+
+METHODS = ["hf_greedy", "hf_prompt_lookup", "lookahead"]
+REPEATS = 2
+
+
+def word_tokenizer(vocab_size: int = 64):
+    """A whitespace word tokenizer over the words w0..w{vocab_size-1} (w0 = unknown) with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
+    tokenizer.chat_template = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}w3"
+    return tokenizer
+
+
+PROMPTS = [
+    Prompt(id="t/0", category="code", text="w5 w9 w12 w7 w30 w5 w9 w12 w7 w41 w5 w9", chat=False),
+    Prompt(id="t/1", category="chat", text="w20 w21 w22 w23 w20 w21 w22 w24 w20 w21", chat=True),
+]
+
+
+@pytest.fixture(scope="module")
+def result(tiny_model):
+    model = tiny_model("llama", dtype=torch.float64, seed=0)
+    config = LookaheadConfig(window_levels=2, window_columns=3, tree_budget=8)
+    out = bench_generate.run_suite(model, word_tokenizer(), PROMPTS, METHODS, REPEATS, 8, config,
+                                   prompt_lookup_tokens=4, progress=False)
+    out.update(machine=bench_generate.machine_info(threads=1), model="tiny llama", command="python bench")
+    return out
+
+
+def test_runs_are_interleaved_and_complete(result):
+    runs = result["runs"]
+    assert len(runs) == len(PROMPTS) * len(METHODS) * REPEATS
+    for run in runs:
+        assert run["new_tokens"] == 8 and len(run["tokens"]) == 8
+        assert run["seconds"] > 0 and run["tokens_per_second"] > 0
+    first_slots = [run["method"] for run in runs if run["slot"] == 0]
+    assert len(set(first_slots)) > 1  # the order rotates from prompt to prompt
+
+
+def test_identity_is_checked_against_greedy(result):
+    for run in result["runs"]:
+        if run["method"] == "hf_greedy":
+            assert run["identical"] is None and run["tokens_per_step"] == 1.0
+        else:
+            assert run["identical"] is True and run["first_divergence"] is None  # fp64: exact
+
+
+def test_lookahead_stats_match_counted_forwards(result):
+    for run in result["runs"]:
+        if run["method"] == "lookahead":
+            assert run["forwards"] == run["stats"]["steps"] + 1  # prefill + decoding steps
+            assert run["tokens_per_step"] == pytest.approx(run["stats"]["mean_tokens_per_step"])
+        else:
+            assert run["stats"] is None
+
+
+def test_summary_structure(result):
+    summary = result["summary"]
+    assert list(summary) == ["code", "chat", "all"]
+    for group, per_method in summary.items():
+        assert set(per_method) == set(METHODS)
+        look = per_method["lookahead"]
+        assert look["prompts"] == (2 if group == "all" else 1) and look["runs"] == look["prompts"] * REPEATS
+        assert look["identical_rate"] == 1.0 and look["checked_runs"] == look["runs"]
+        assert per_method["hf_greedy"]["identical_rate"] is None
+        for baseline in ("hf_greedy", "hf_prompt_lookup"):
+            assert look[f"speedup_vs_{baseline}"] > 0 and look[f"speedup_vs_{baseline}_min"] > 0
+        assert per_method["hf_greedy"]["speedup_vs_hf_greedy"] == pytest.approx(1.0)
+    assert json.loads(json.dumps(result))["settings"]["methods"] == METHODS
+
+
+def test_table_has_a_row_per_category_and_all(result):
+    table = bench_generate.format_tables(result)
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows] == ["| category", "| code", "| chat", "| **all**"]
+    assert "Command: `python bench`" in table
+
+
+def test_plots_are_written(result, tmp_path):
+    pytest.importorskip("matplotlib")
+    from plots import save_plots
+
+    paths = save_plots(result, tmp_path / "run.json")
+    assert [p.name for p in paths] == ["run-speedup.png", "run-tokens-per-step.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_encode_applies_the_chat_template_only_to_chat_prompts():
+    tokenizer = word_tokenizer()
+    assert encode(tokenizer, PROMPTS[0]).tolist() == [[5, 9, 12, 7, 30, 5, 9, 12, 7, 41, 5, 9]]
+    chat = encode(tokenizer, PROMPTS[1])[0].tolist()
+    assert chat[0] == 1 and chat[-2:] == [2, 3]
+
+
+def test_load_prompts_round_robin_and_errors(tmp_path):
+    items = [{"id": f"s/{i}", "category": c, "turns": [f"text {i}", "second turn"]}
+             for i, c in enumerate(["writing", "writing", "roleplay", "rag", "math"])]
+    (tmp_path / "spec_bench.jsonl").write_text("\n".join(json.dumps(item) for item in items) + "\n")
+    chat = load_prompts(["chat"], 3, tmp_path)
+    assert [p.id for p in chat] == ["s/0", "s/2", "s/4"]  # writing, roleplay, math, then the 2nd writing
+    assert all(p.chat and p.category == "chat" and not p.text.startswith("second") for p in chat)
+    with pytest.raises(ValueError, match="only 1 prompts"):
+        load_prompts(["rag"], 2, tmp_path)
+    with pytest.raises(ValueError, match="unknown categories"):
+        load_prompts(["poetry"], 1, tmp_path)
+    with pytest.raises(ValueError, match="prompt file not found"):
+        load_prompts(["code"], 1, tmp_path)
+
+
+@pytest.mark.parametrize(("pairs", "expected"), [
+    (["window_levels=3"], {"window_levels": 3}),
+    (["pool_from_text=false", "tree_budget = 32"], {"pool_from_text": False, "tree_budget": 32}),
+])
+def test_parse_overrides(pairs, expected):
+    assert bench_generate.parse_overrides(pairs) == expected
+
+
+@pytest.mark.parametrize(("pairs", "message"), [
+    (["window_levels"], "key=value"),
+    (["no_such_knob=1"], "unknown lookahead option"),
+    (["tree_budget=big"], "tree_budget must be int"),
+    (["pool_from_text=maybe"], "pool_from_text must be true or false"),
+])
+def test_parse_overrides_errors(pairs, message):
+    with pytest.raises(ValueError, match=message):
+        bench_generate.parse_overrides(pairs)
+
+
+def test_suite_rejects_assisted_without_a_draft_model():
+    with pytest.raises(ValueError, match="draft model"):
+        bench_generate.run_suite(None, None, PROMPTS, ["hf_greedy", "hf_assisted"], 1, 8, LookaheadConfig())
