@@ -6,7 +6,9 @@ import sys
 
 import click
 
-from lookahead.cli.options import build_config, read_prompt
+from lookahead.cli.calibrate import calibrate
+from lookahead.cli.options import build_config, read_prompt, sampling_kwargs
+from lookahead.cli.serve import serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -27,21 +29,28 @@ def main() -> None:
 @click.option("--stats", is_flag=True, help="Print tokens/s and tokens per step on stderr.")
 @click.option("--compare", is_flag=True, help="Also run plain HF greedy; print the speedup and whether "
                                               "the outputs are identical.")
+@click.option("--sample/--greedy", default=False, show_default=True, help="Sample instead of greedy decoding.")
+@click.option("--temperature", type=float, default=None, help="Sampling temperature (> 0).")
+@click.option("--top-k", type=click.IntRange(min=0), default=None, help="Sample from the k likeliest tokens.")
+@click.option("--top-p", type=float, default=None, help="Nucleus sampling mass, in (0, 1].")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None,
+              help="Reproducible sampling: the same seed gives the same tokens with and without speculation.")
 @click.option("--window-levels", type=click.IntRange(0, 8), default=None, help="Jacobi window levels (0 = off).")
 @click.option("--window-columns", type=click.IntRange(1, 64), default=None, help="Jacobi window columns.")
 @click.option("--tree-budget", type=click.IntRange(0, 1024), default=None, help="Draft tree nodes per step.")
-def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, **knobs) -> None:
-    """Stream a greedy completion of PROMPT (or of stdin when PROMPT is omitted or `-`)."""
+def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sample, temperature, top_k, top_p,
+             **knobs) -> None:
+    """Stream a completion of PROMPT (or of stdin when PROMPT is omitted or `-`); greedy unless --sample."""
     from lookahead.cli.run import run_generate
 
     text = read_prompt(prompt, sys.stdin)
     config = build_config(mode, knobs)
-    run_generate(text, model_path, chat, max_new_tokens, config, stats, compare)
+    sampling = sampling_kwargs(sample, temperature, top_k, top_p)
+    run_generate(text, model_path, chat, max_new_tokens, config, stats, compare, sampling)
 
-
-from lookahead.cli.serve import serve  # noqa: E402  (after `main` exists)
 
 main.add_command(serve)
+main.add_command(calibrate)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -21,10 +21,30 @@ def read_prompt(prompt: str | None, stdin) -> str:
     return prompt
 
 
+def sampling_kwargs(sample: bool, temperature: float | None, top_k: int | None, top_p: float | None) -> dict:
+    """`generate` kwargs for the sampling flags; raises `click.UsageError` for out-of-range values or
+    sampling flags given without --sample."""
+    given = {name: value for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
+             if value is not None}
+    if not sample:
+        if given:
+            raise click.UsageError(f"--{next(iter(given)).replace('_', '-')} needs --sample")
+        return {"do_sample": False}
+    if temperature is not None and not temperature > 0:
+        raise click.UsageError(f"--temperature must be > 0, got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise click.UsageError(f"--top-p must be in (0, 1], got {top_p}")
+    return {"do_sample": True, **given}
+
+
 def build_config(mode: str, knobs: dict) -> LookaheadConfig:
-    """Build the config for `mode` ('lookahead' | 'off') with the pinned `knobs` (None = default)."""
+    """Build the config for `mode` ('lookahead' | 'off') with the pinned `knobs` (None = default).
+
+    `seed` is kept in both modes, so `--mode off --seed S` reproduces a speculative run with the same seed.
+    """
     if mode == "off":
-        return LookaheadConfig.off()
+        seed = knobs.get("seed")
+        return LookaheadConfig.off() if seed is None else LookaheadConfig.off().with_overrides(seed=seed)
     pinned = {name: value for name, value in knobs.items() if value is not None}
     try:
         return LookaheadConfig().with_overrides(**pinned)

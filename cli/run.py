@@ -13,8 +13,9 @@ from lookahead.models import ModelLoadError, load_model
 
 
 def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: int, config: LookaheadConfig,
-                 stats: bool, compare: bool) -> None:
-    """Generate greedily, streaming to stdout; errors become one-line `click.ClickException`s."""
+                 stats: bool, compare: bool, sampling: dict) -> None:
+    """Generate (greedy, or sampled per `sampling` kwargs), streaming to stdout; errors become one-line
+    `click.ClickException`s."""
     from transformers import TextStreamer
 
     try:
@@ -25,13 +26,15 @@ def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: 
     decoder = Lookahead(config)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     try:
-        output = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                custom_generate=decoder, lookahead_streamer=streamer)
+        output = model.generate(input_ids, max_new_tokens=max_new_tokens, custom_generate=decoder,
+                                lookahead_streamer=streamer, **sampling)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     if stats:
         click.echo(f"[lookahead] {decoder.last_stats.summary()}", err=True)
     if compare:
+        if sampling["do_sample"]:
+            raise click.ClickException("--compare checks identity with plain greedy; drop --sample")
         _compare(model, input_ids, max_new_tokens, output, decoder.last_stats.total_time)
 
 

@@ -174,14 +174,24 @@ class StepPlanner:
         k, use_window = best_row_count(probs, self.window_rows, self.window_value, self.curve)
         return tree.prune(k), use_window
 
-    def learn(self, tree, committed_path: list[int], used_window: bool, pool_source: int) -> None:
-        """Update acceptance rates from which drafted nodes were tested (parent accepted) and accepted."""
-        on_path = np.zeros(tree.size, dtype=bool)
-        on_path[committed_path] = True
-        nodes = np.arange(1, tree.size)
-        tested = nodes[on_path[tree.parents[1:]]]
+    def learn(self, tree, tokens: list[int], used_window: bool, pool_source: int) -> None:
+        """Update acceptance rates by walking the UNPRUNED tree along the committed `tokens`.
+
+        Every child of a node on the committed path was tested (its parent was accepted); it was accepted if
+        it carries the next committed token. Pruned nodes count too, so the rates keep learning while the
+        planner verifies nothing (otherwise one bad stretch would stop speculation for good).
+        """
         n = len(self.rates.tested)
-        accepted = np.bincount(tree.source[nodes[on_path[1:]]], minlength=n)
-        self.rates.update(np.bincount(tree.source[tested], minlength=n), accepted)
+        tested, accepted = np.zeros(n), np.zeros(n)
+        node = 0
+        for token in tokens:
+            children = tree.children[node]
+            for child in children.values():
+                tested[tree.source[child]] += 1
+            node = children.get(token, -1)
+            if node < 0:
+                break
+            accepted[tree.source[node]] += 1
+        self.rates.update(tested, accepted)
         if used_window:
             self.window_value = 0.9 * self.window_value + 0.1 * float(accepted[pool_source])

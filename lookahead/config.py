@@ -22,6 +22,9 @@ class LookaheadConfig:
     With `adaptive` (the default) `tree_budget` and the window are upper bounds: each step keeps only the
     nodes and window rows that pay for themselves on the measured cost curve (see `budget.py`); with
     `adaptive=False` every step verifies the full tree and window.
+    `seed` (sampling only): draw the token at sequence index t by Gumbel-max with noise from (seed, t), so the
+    same seed gives the same tokens with or without speculation; None samples from a generator seeded by
+    torch's global RNG.
     """
 
     window_levels: int = 2
@@ -37,7 +40,7 @@ class LookaheadConfig:
     max_draft_len: int = 8
     tree_budget: int = 16
     adaptive: bool = True
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         _check_range("window_levels", self.window_levels, 0, 8)
@@ -51,7 +54,8 @@ class LookaheadConfig:
         _check_range("prompt_max_ngram", self.prompt_max_ngram, self.prompt_min_ngram, 64)
         _check_range("max_draft_len", self.max_draft_len, 1, 256)
         _check_range("tree_budget", self.tree_budget, 0, 1024)
-        _check_range("seed", self.seed, 0, 2**63 - 1)
+        if self.seed is not None:
+            _check_range("seed", self.seed, 0, 2**63 - 1)
         for name in ("pool_from_text", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

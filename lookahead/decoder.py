@@ -11,12 +11,13 @@ import torch
 from .budget import CostCurve, StepPlanner
 from .cache import check_compactable, keep_rows
 from .config import LookaheadConfig
-from .drafters import DRAFTER_NAMES, POOL, Drafters
+from .drafters import POOL, SOURCE_DRAFTER, Drafters
 from .jacobi import JacobiWindow
 from .layout import pack
 from .stats import DecodeStats
 from .tree import DraftTree
-from .verify import Verdict, verify_greedy
+from .rules import make_rule
+from .verify import Verdict
 
 
 @dataclass
@@ -38,6 +39,7 @@ class DecodeRequest:
     streamer: object = None
     shared_drafter: object = None
     cost_curve: CostCurve | None = None
+    do_sample: bool = False
 
 
 class Decoder:
@@ -54,11 +56,12 @@ class Decoder:
         self.stats = DecodeStats()
         self.drafters = Drafters(config, model.config.get_text_config().vocab_size, prompt,
                                  request.shared_drafter)
-        self.window = JacobiWindow(config.window_levels, config.window_columns, config.seed) \
+        self.window = JacobiWindow(config.window_levels, config.window_columns, config.seed or 0) \
             if config.window_size else None
         if self.window is not None:
             self.window.reset(prompt)
-        self.planner = StepPlanner(request.cost_curve, len(DRAFTER_NAMES), config.window_size)
+        self.rule = make_rule(request.do_sample, config.seed)
+        self.planner = StepPlanner(request.cost_curve, len(SOURCE_DRAFTER), config.window_size)
         self.prefix_hidden = _hidden_slots(request.prompt_kwargs.get("attention_mask"))
         self.device = request.input_ids.device
 
@@ -83,7 +86,8 @@ class Decoder:
         self.prefix_len = self.cache.get_seq_length()
         positions = inputs.get("position_ids")
         self.root_position = int(positions[0, -1]) + 1 if positions is not None else self.prefix_len
-        token = int(self._scorer([], logits).argmax()) if self._has_processors() else int(logits.argmax())
+        scores = self._scorer([], logits) if self._has_processors() else logits
+        token = self.rule.first(scores, self.length)
         tokens, finished = self._cut_at_stop([token])
         self.stats.prefill_time = time.perf_counter() - t0
         self.stats.new_tokens += len(tokens)
@@ -94,8 +98,8 @@ class Decoder:
         """One speculative step; returns whether generation is done."""
         t0 = time.perf_counter()
         root = int(self.ids[self.length - 1])
-        tree = self.drafters.draft(root, max_len=self.request.max_length - self.length - 1)
-        tree, use_window = self.planner.plan(tree)
+        candidates = self.drafters.draft(root, max_len=self.request.max_length - self.length - 1)
+        tree, use_window = self.planner.plan(candidates)
         window = self.window if use_window else None
         inputs = pack(tree, window, self.root_position, self.prefix_len, self.prefix_hidden,
                       self.model.dtype, self.device)
@@ -104,10 +108,10 @@ class Decoder:
                             attention_mask=inputs.attention_mask, past_key_values=self.cache,
                             use_cache=True, return_dict=True).logits[0]  # [T, V]
         t2 = time.perf_counter()
-        verdict = verify_greedy(tree, logits[: inputs.n_tree], self._scorer if self._has_processors() else None)
+        verdict = self.rule.walk(tree, logits[: inputs.n_tree], self._node_scorer(), root_index=self.length - 1)
         tokens, finished = self._cut_at_stop(verdict.tokens)
         keep_rows(self.cache, self.prefix_len, verdict.path[: len(tokens)])
-        self.planner.learn(tree, verdict.path[: len(tokens)], window is not None, POOL)
+        self.planner.learn(candidates, tokens, window is not None, POOL)
         self._advance(tokens, logits[inputs.n_tree:] if window is not None else None)
         self._record(tree, verdict, tokens, inputs.input_ids.shape[1])
         self.stats.draft_time += t1 - t0
@@ -148,8 +152,14 @@ class Decoder:
         return bool(self.request.stopping_criteria(ids, None).any())
 
     def _has_processors(self) -> bool:
-        """Whether the generation config adds logits processors (else raw argmax is exact)."""
+        """Whether the generation config adds logits processors or warpers."""
         return len(self.request.logits_processor) > 0
+
+    def _node_scorer(self):
+        """The per-node scorer for the rule's walk (None when raw logits are final)."""
+        if self._has_processors():
+            return self._scorer
+        return None if not self.request.do_sample else (lambda path, row: row.float())
 
     def _scorer(self, path: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Processed scores [V] of a node whose context is the committed text plus `path`."""
@@ -160,7 +170,7 @@ class Decoder:
     def _record(self, tree: DraftTree, verdict: Verdict, tokens: list[int], n_rows: int) -> None:
         """Add this step to the stats (accepted drafts attributed to the drafter that proposed them)."""
         accepted = verdict.path[1: len(tokens)]
-        self.stats.record_step(len(tokens), n_rows, [DRAFTER_NAMES[tree.source[n]] for n in accepted])
+        self.stats.record_step(len(tokens), n_rows, [SOURCE_DRAFTER[tree.source[n]] for n in accepted])
 
 
 def _hidden_slots(attention_mask: torch.Tensor | None) -> torch.Tensor | None:

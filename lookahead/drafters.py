@@ -11,8 +11,11 @@ from .ngram_pool import NGramPool
 from .prompt_lookup import PromptLookup
 from .tree import DraftTree
 
-DRAFTER_NAMES = ("prompt", "pool", "shared")  # DraftTree.source indexes this tuple
-PROMPT, POOL, SHARED = 0, 1, 2
+# DraftTree.source indexes these: prompt lookup is split by suffix-match length (1, 2, 3+ tokens) because
+# its acceptance rate depends strongly on it, and the budget keeps one running rate per source.
+SOURCE_DRAFTER = ("prompt", "prompt", "prompt", "pool", "shared")
+PROMPT, POOL, SHARED = 0, 3, 4
+PROMPT_SOURCES = 3
 
 
 class SharedDrafter(Protocol):
@@ -59,7 +62,7 @@ class Drafters:
             if self.prompt is not None:
                 found = self.prompt.propose(self.config.prompt_candidates, max_len)
                 paths += found
-                sources += [PROMPT] * len(found)
+                sources += [PROMPT + min(int(k), PROMPT_SOURCES) - 1 for k in self.prompt.last_match_lengths]
             if self.pool is not None:
                 found = self.pool.lookup(root, self.config.pool_candidates)
                 paths += [p[:max_len] for p in found]

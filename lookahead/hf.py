@@ -50,7 +50,7 @@ class Lookahead:
         request = DecodeRequest(input_ids=input_ids, prompt_kwargs=model_kwargs, logits_processor=logits_processor,
                                 stopping_criteria=stopping_criteria, max_length=generation_config.max_length,
                                 streamer=lookahead_streamer, shared_drafter=self.shared_drafter,
-                                cost_curve=self._cost_curve(model))
+                                cost_curve=self._cost_curve(model), do_sample=bool(generation_config.do_sample))
         decoder = Decoder(model, self.config, request)
         sequences = decoder.run()
         self.last_stats = decoder.stats
@@ -68,14 +68,11 @@ class Lookahead:
 
 def _check_generation_config(config: GenerationConfig, input_ids: torch.Tensor) -> None:
     """Raise `ValueError` naming any generation option lookahead cannot honour exactly."""
-    if config.do_sample:
-        raise ValueError("lookahead does not support do_sample=True yet; use greedy decoding "
-                         "(do_sample=False) or plain model.generate for sampling")
     if (config.num_beams or 1) > 1:
         raise ValueError(f"lookahead does not support beam search (num_beams={config.num_beams}); "
                          "use plain model.generate for beam search")
     if (config.num_return_sequences or 1) > 1:
-        raise ValueError("num_return_sequences > 1 is not supported with greedy lookahead decoding")
+        raise ValueError("num_return_sequences > 1 is not supported by lookahead; call generate once per sample")
     if input_ids.shape[0] != 1:
         raise ValueError(f"lookahead decodes one sequence at a time for now (got batch size {input_ids.shape[0]}); "
                          "call generate per prompt or use plain model.generate for batches")

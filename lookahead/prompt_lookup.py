@@ -40,8 +40,9 @@ def _index_range(tokens, start, stop, m, bits, head, prev):
 
 
 @numba.njit(cache=True)
-def _search(tokens, length, min_n, max_n, prev, occ_pos, occ_len, out, out_len):
-    """Fill ``out[:c], out_len[:c]`` with the ranked candidates (see ``PromptLookup.propose``); return ``c``.
+def _search(tokens, length, min_n, max_n, prev, occ_pos, occ_len, out, out_len, out_match):
+    """Fill ``out[:c], out_len[:c], out_match[:c]`` with the ranked candidates and their match lengths (see
+    ``PromptLookup.propose``); return ``c``.
 
     ``out``: ``[max_candidates, max_len]``; ``occ_pos / occ_len`` are scratch of at least ``length``.
     """
@@ -85,6 +86,7 @@ def _search(tokens, length, min_n, max_n, prev, occ_pos, occ_len, out, out_len):
             for t in range(n):
                 out[count, t] = tokens[first + t]
             out_len[count] = n
+            out_match[count] = k
             count += 1
             if count == max_candidates:
                 return count
@@ -127,7 +129,9 @@ class PromptLookup:
         # Warm up (compile, or load from the on-disk cache) on the empty text: no state changes.
         self._index(0, 0)
         _search(self._tokens, 0, self.min_ngram, self.max_ngram, self._prev, self._occ_pos,
-                self._occ_len, np.zeros((1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64))
+                self._occ_len, np.zeros((1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64),
+                np.zeros(1, dtype=np.int64))
+        self.last_match_lengths = np.zeros(0, dtype=np.int64)  # [c] match length of each last proposal
 
     def _allocate(self, capacity: int) -> None:
         """(Re)allocate buffers for ``capacity`` tokens, keep the text and rebuild the index over it."""
@@ -176,14 +180,17 @@ class PromptLookup:
         end position, most recent first. Walking that order, a candidate is skipped if it equals or is a
         prefix of a candidate already returned; the walk stops after ``max_candidates`` are returned. So
         the best occurrence's candidate is always first, and ``[]`` means no occurrence qualifies.
+        Afterwards ``last_match_lengths`` ([c] int64) holds each returned candidate's match length.
         Raises ValueError naming ``max_candidates`` (< 0) or ``max_len`` (< 1).
         """
         max_candidates = _check_int("max_candidates", max_candidates, 0)
         max_len = _check_int("max_len", max_len, 1)
         out = np.empty((max_candidates, max_len), dtype=np.int64)  # [max_candidates, max_len]
         out_len = np.empty(max_candidates, dtype=np.int64)  # [max_candidates]
+        out_match = np.empty(max_candidates, dtype=np.int64)  # [max_candidates]
         count = _search(self._tokens, self._length, self.min_ngram, self.max_ngram, self._prev,
-                        self._occ_pos, self._occ_len, out, out_len)
+                        self._occ_pos, self._occ_len, out, out_len, out_match)
+        self.last_match_lengths = out_match[:count].copy()
         return [out[i, :n] for i, n in enumerate(out_len[:count].tolist())]
 
     def __len__(self) -> int:

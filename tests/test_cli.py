@@ -57,6 +57,17 @@ def test_mode_off_gives_the_same_text(tiny_folder):
     assert "1.00 tokens/step" in off.stderr
 
 
+def test_seeded_sampling_matches_mode_off(tiny_folder):
+    folder, _, _ = tiny_folder
+    args = ["def f(x):", "--model", str(folder), "--max-new-tokens", "24", "--sample", "--seed", "11",
+            "--temperature", "0.9"]
+    on, off = _run(*args), _run(*args, "--mode", "off")
+    other = _run(*args[:-3], "12", "--temperature", "0.9")
+    assert on.exit_code == off.exit_code == other.exit_code == 0
+    assert on.stdout == off.stdout
+    assert other.stdout != on.stdout
+
+
 @pytest.mark.parametrize("args, stdin, message", [
     (["   "], None, "prompt is empty"),
     (["hi", "--model", "/no/such/model"], None, "does not exist"),
@@ -65,6 +76,10 @@ def test_mode_off_gives_the_same_text(tiny_folder):
     (["hi", "--mode", "fast"], None, "mode"),
     (["hi", "--tree-budget", "-3"], None, "tree-budget"),
     ([], "", "prompt is empty"),
+    (["hi", "--sample", "--temperature", "-1"], None, "temperature must be > 0"),
+    (["hi", "--sample", "--top-p", "1.5"], None, "top-p must be in (0, 1]"),
+    (["hi", "--top-k", "5"], None, "needs --sample"),
+    (["hi", "--seed", "-2"], None, "seed"),
 ])
 def test_bad_input_gives_one_line_error(args, stdin, message):
     result = _run(*args, stdin=stdin)

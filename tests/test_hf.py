@@ -101,7 +101,6 @@ def test_return_dict_in_generate_gives_sequences(model):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(do_sample=True), "do_sample"),
     (dict(num_beams=2), "beam search"),
     (dict(return_dict_in_generate=True, output_scores=True), "output_scores"),
     (dict(return_dict_in_generate=True, output_logits=True), "output_logits"),

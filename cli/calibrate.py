@@ -1,0 +1,33 @@
+"""`lookahead calibrate`: measure (or show the cached) verification cost curve and the budget it implies."""
+
+from __future__ import annotations
+
+import click
+import numpy as np
+
+CHAIN = 8  # draft-chain length used to illustrate the chosen budget
+
+
+@click.command()
+@click.option("--model", "model_path", type=click.Path(), default=None,
+              help="Local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--refresh", is_flag=True, help="Measure again even if a cached curve exists.")
+def calibrate(model_path, refresh) -> None:
+    """Print t(k)/t(1) for verifying k rows and how many draft tokens a step verifies at each acceptance rate."""
+    from lookahead.budget import best_row_count, cost_curve_for
+    from lookahead.models import ModelLoadError, load_model
+
+    try:
+        model, _ = load_model(model_path)
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from exc
+    curve = cost_curve_for(model, refresh=refresh)
+    click.echo(f"one-row step: {curve.base_seconds * 1000:.1f} ms (cache of {curve.prefix_len} tokens)")
+    click.echo("rows k : " + " ".join(f"{k:>6d}" for k in curve.sizes))
+    click.echo("t(k)/t(1): " + " ".join(f"{r:>6.2f}" for r in curve.ratios))
+    for rate in (0.3, 0.5, 0.7, 0.9):
+        probs = rate ** np.arange(1, CHAIN + 1)
+        k, _ = best_row_count(probs, 0, 0.0, curve)
+        gain = 1 + probs[:k].sum()
+        click.echo(f"acceptance {rate:.1f}: verify {k} draft tokens -> expected {gain:.2f} tokens/step, "
+                   f"{gain / curve.ratio(1 + k):.2f}x a plain step")

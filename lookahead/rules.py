@@ -1,0 +1,75 @@
+"""Which exact rule picks tokens: greedy, sampling (point-mass rejection) or seeded sampling (Gumbel-max).
+
+Each rule chooses the first token after the prefill and walks a verified draft tree. `scorer(path, row)`
+applies the generation config's processors and warpers to a node's raw logits with its true prefix (None:
+raw logits are final, greedy only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling import probs_from_scores, sample_point_mass, sample_seeded, verify_point_mass, verify_seeded
+from .tree import DraftTree
+from .verify import NodeScorer, Verdict, verify_greedy
+
+
+class GreedyRule:
+    """argmax at every node: token-identical to `generate(do_sample=False)`."""
+
+    def first(self, scores: torch.Tensor, index: int) -> int:
+        """Token at sequence index `index` from its processed scores [V]."""
+        return int(scores.argmax())
+
+    def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer | None, root_index: int) -> Verdict:
+        """Verify `tree` against its rows' raw logits [N, V]."""
+        return verify_greedy(tree, logits, scorer)
+
+
+class SampledRule:
+    """Multi-draft speculative sampling with point-mass drafts; randomness from one seeded generator."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def first(self, scores: torch.Tensor, index: int) -> int:
+        """Sample the token at `index` from softmax(scores)."""
+        return sample_point_mass(probs_from_scores(scores), [], self.generator)
+
+    def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer, root_index: int) -> Verdict:
+        """Accept children with their residual probability; the bonus comes from the residual or the leaf."""
+        return verify_point_mass(tree, _probs_at(tree, logits, scorer), self.generator)
+
+
+class SeededRule:
+    """Token at sequence index t = argmax(log p + Gumbel noise of (seed, t)): the same tokens with or without
+    speculation."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def first(self, scores: torch.Tensor, index: int) -> int:
+        """Gumbel-max draw of the token at `index`."""
+        return sample_seeded(probs_from_scores(scores), self.seed, index)
+
+    def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer, root_index: int) -> Verdict:
+        """Greedy walk on the noise-perturbed log-probabilities of each visited node."""
+        return verify_seeded(tree, _probs_at(tree, logits, scorer), self.seed, root_index)
+
+
+def make_rule(do_sample: bool, seed: int | None):
+    """GreedyRule, SeededRule (do_sample with a seed) or SampledRule (do_sample without one: the generator
+    is seeded from torch's global RNG, so `torch.manual_seed` makes runs repeatable)."""
+    if not do_sample:
+        return GreedyRule()
+    if seed is not None:
+        return SeededRule(seed)
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
+    return SampledRule(generator)
+
+
+def _probs_at(tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer):
+    """probs_at(node, path) for the sampling walks: processed scores of the node's row → probabilities."""
+    def probs_at(node: int, path: list[int]) -> torch.Tensor:
+        return probs_from_scores(scorer(path, logits[node]))
+    return probs_at
