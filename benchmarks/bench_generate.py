@@ -413,6 +413,9 @@ def main(argv: list[str] | None = None) -> None:
                        args.lookahead_config, prompt_lookup_tokens=args.prompt_lookup_tokens,
                        draft_model=draft_model)
     machine["load_average"].append(os.getloadavg()[0])
+    from lookahead.budget import cost_curve_for
+
+    result["cost_curve"] = json.loads(cost_curve_for(model).to_json())
     result = {"command": _command_line(), "model": args.model or "SmolLM2-135M-Instruct (embedded default)",
               "draft_model": args.draft_model, "machine": machine,
               "date": datetime.datetime.now().isoformat(timespec="seconds"), **result}

@@ -21,7 +21,8 @@ HISTOGRAM_METHOD = "lookahead"
 def save_plots(result: dict, json_path: Path) -> list[Path]:
     """Draw the plots of `result` (a `bench_generate` result dict) as PNGs next to `json_path`.
 
-    Returns the written paths: `<stem>-speedup.png`, and `<stem>-tokens-per-step.png` when lookahead ran.
+    Returns the written paths: `<stem>-speedup.png`, `<stem>-tokens-per-step.png` when lookahead ran and
+    `<stem>-cost-curve.png` when the result holds the model's cost curve.
     """
     import matplotlib
 
@@ -31,8 +32,37 @@ def save_plots(result: dict, json_path: Path) -> list[Path]:
     plot_speedup(result, paths[0])
     if HISTOGRAM_METHOD in result["settings"]["methods"]:
         paths.append(json_path.with_name(f"{json_path.stem}-tokens-per-step.png"))
-        plot_tokens_per_step(result, paths[1])
+        plot_tokens_per_step(result, paths[-1])
+    if result.get("cost_curve"):
+        paths.append(json_path.with_name(f"{json_path.stem}-cost-curve.png"))
+        plot_cost_curve(result["cost_curve"], paths[-1])
     return paths
+
+
+def plot_cost_curve(curve: dict, path: Path, rates=(0.5, 0.7, 0.9), chain: int = 8) -> None:
+    """The measured cost curve t(k)/t(1) with, for a few acceptance rates of an `chain`-token draft chain, the
+    number of rows the budget verifies marked on it. `curve` is `CostCurve` as a dict."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from lookahead.budget import CostCurve, best_row_count
+
+    cost = CostCurve(tuple(curve["sizes"]), tuple(curve["ratios"]), curve["base_seconds"], curve["prefix_len"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(cost.sizes, cost.ratios, "o-", label="measured t(k)/t(1)")
+    ax.plot(cost.sizes, cost.sizes, ":", color="grey", label="linear (no batching benefit)")
+    for rate in rates:
+        k, _ = best_row_count(rate ** np.arange(1, chain + 1), 0, 0.0, cost)
+        ax.plot([1 + k], [cost.ratio(1 + k)], "s", markersize=9, label=f"chosen at acceptance {rate}: {1 + k} rows")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, max(cost.ratios) * 1.3)
+    ax.set_xlabel("rows verified in one forward (k)")
+    ax.set_ylabel("cost relative to one row")
+    ax.set_title(f"verification cost curve (one row = {cost.base_seconds * 1000:.0f} ms)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot_speedup(result: dict, path: Path) -> None:

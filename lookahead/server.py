@@ -1,9 +1,9 @@
 """`lookahead serve`: an OpenAI-compatible completion server (Starlette + uvicorn) for code-completion clients.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (chat template applied), `GET /v1/models`,
-`GET /health`. Decoding is greedy: `temperature` defaults to 0 and a request with `temperature > 0` gets a
-400 until the core verifies sampled drafts exactly, so every response is token-identical to
-`lookahead generate --mode off` for the same prompt. Responses carry the speculation stats in an extra
+`GET /health`. `temperature` defaults to 0 (greedy: every response is token-identical to
+`lookahead generate --mode off` for the same prompt); `temperature > 0` samples exactly from the model's
+distribution, and with `seed` the same request gives the same tokens. Responses carry the speculation stats in an extra
 `lookahead` field (tokens per step, ...).
 
 Concurrency: the model is not thread-safe, so one worker thread runs the generations one at a time, in arrival
@@ -82,15 +82,12 @@ def model_name_for(path: str | None) -> str:
 
 
 def sampling_kwargs(params: Sampling) -> dict:
-    """`generate()` keyword arguments choosing tokens as `params` asks.
-
-    Raises `APIError` (400, param `temperature`) for temperature > 0: the core decodes greedily only for now.
-    To enable sampling, return `do_sample=True` with `temperature`/`top_p` (and the seed) here instead.
-    """
+    """`generate()` keyword arguments choosing tokens as `params` asks: temperature 0 is greedy, otherwise exact
+    sampling with `temperature` and `top_p` (no top-k, as in OpenAI's API). The seed goes to the decoder config
+    (see `_generate`)."""
     if params.temperature == 0:
         return {"do_sample": False}
-    raise APIError(400, f"sampling (temperature={params.temperature}) is not supported by lookahead serve yet; "
-                        "send temperature 0 (greedy, the default)", param="temperature", code="unsupported_value")
+    return {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
 
 
 # -- completion text: stop strings and safe streaming --------------------------------------------------------
@@ -292,7 +289,8 @@ class Engine:
         criteria = StoppingCriteriaList([_Cancelled(job.cancel)])
         if job.stops:
             criteria.append(_StopText(self.decode, job.stops, prompt_len))
-        decoder = Lookahead(self.config, shared_drafter=self.cache)
+        config = self.config if job.sampling.seed is None else self.config.with_overrides(seed=job.sampling.seed)
+        decoder = Lookahead(config, shared_drafter=self.cache)
         output = self.model.generate(
             job.input_ids, attention_mask=torch.ones_like(job.input_ids), max_new_tokens=job.max_new_tokens,
             stopping_criteria=criteria, custom_generate=decoder,
@@ -431,7 +429,6 @@ class _Handlers:
     async def _respond(self, request: Request, body, ids: list[int], requested: int | None, chat: bool,
                        prompt_field: str):
         params = sampling(body)
-        sampling_kwargs(params)  # rejects what the core cannot do, before anything is queued
         budget = self._budget(len(ids), requested, chat, prompt_field)
         stream = self.engine.start(ids, budget, stop_strings(body), params)
         shape = ResponseShape(chat, self.settings.model_name)
