@@ -40,6 +40,25 @@ def _index_range(tokens, start, stop, m, bits, head, prev):
 
 
 @numba.njit(cache=True)
+def append_new_candidate(tokens, first, n, out, out_len, count):
+    """Write ``tokens[first:first+n]`` as candidate ``count`` of ``out`` / ``out_len`` unless it equals, or is a
+    prefix of, one of the ``count`` candidates already there; return whether it was written."""
+    for c in range(count):
+        if out_len[c] >= n:
+            same = True
+            for t in range(n):
+                if out[c, t] != tokens[first + t]:
+                    same = False
+                    break
+            if same:
+                return False
+    for t in range(n):
+        out[count, t] = tokens[first + t]
+    out_len[count] = n
+    return True
+
+
+@numba.njit(cache=True)
 def _search(tokens, length, min_n, max_n, prev, occ_pos, occ_len, out, out_len, out_match):
     """Fill ``out[:c], out_len[:c], out_match[:c]`` with the ranked candidates and their match lengths (see
     ``PromptLookup.propose``); return ``c``.
@@ -69,23 +88,8 @@ def _search(tokens, length, min_n, max_n, prev, occ_pos, occ_len, out, out_len, 
             if occ_len[i] != k:
                 continue
             first = occ_pos[i] + 1
-            n = min(max_len, length - first)
-            redundant = False
-            for c in range(count):
-                if out_len[c] >= n:
-                    same = True
-                    for t in range(n):
-                        if out[c, t] != tokens[first + t]:
-                            same = False
-                            break
-                    if same:
-                        redundant = True
-                        break
-            if redundant:
+            if not append_new_candidate(tokens, first, min(max_len, length - first), out, out_len, count):
                 continue
-            for t in range(n):
-                out[count, t] = tokens[first + t]
-            out_len[count] = n
             out_match[count] = k
             count += 1
             if count == max_candidates:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from .prompt_lookup import append_new_candidate
+
 _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio (Fibonacci hashing)
 _FREE = -1  # separator / evicted / unused arena slot; never a token id
 
@@ -99,22 +101,8 @@ def _search(tokens, m, bits, head, prev, query, max_probes, occ_pos, occ_len, ou
             n = 0
             while n < max_len and tokens[first + n] >= 0:
                 n += 1
-            redundant = False
-            for c in range(count):
-                if out_len[c] >= n:
-                    same = True
-                    for t in range(n):
-                        if out[c, t] != tokens[first + t]:
-                            same = False
-                            break
-                    if same:
-                        redundant = True
-                        break
-            if redundant:
+            if not append_new_candidate(tokens, first, n, out, out_len, count):
                 continue
-            for t in range(n):
-                out[count, t] = tokens[first + t]
-            out_len[count] = n
             out_first[count] = first
             count += 1
             if count == max_candidates:
