@@ -78,7 +78,7 @@ class Decoder:
         return torch.from_numpy(self.ids[: self.length].copy()).to(self.device).view(1, -1)
 
     def _prefill(self) -> bool:
-        """Forward the prompt, commit its greedy next token; returns whether generation is already done."""
+        """Forward the prompt and commit its next token (by the rule); returns whether generation is done."""
         t0 = time.perf_counter()
         inputs = self.model.prepare_inputs_for_generation(self.request.input_ids, is_first_iteration=True,
                                                           **self.request.prompt_kwargs)

@@ -17,6 +17,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria, Stoppi
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .budget import cost_curve_for
+from .cache import check_compactable
 from .config import LookaheadConfig
 from .decoder import DecodeRequest, Decoder
 from .stats import DecodeStats
@@ -45,6 +46,7 @@ class Lookahead:
                  lookahead_streamer=None, **model_kwargs):
         """Decoding loop called by `generate`; returns what `generate` would (sequences or a dict output)."""
         _check_generation_config(generation_config, input_ids)
+        check_compactable(model_kwargs.get("past_key_values"))  # before anything runs on this model
         if lookahead_streamer is not None:
             lookahead_streamer.put(input_ids.cpu())  # generate only feeds the prompt to its own `streamer=`
         request = DecodeRequest(input_ids=input_ids, prompt_kwargs=model_kwargs, logits_processor=logits_processor,

@@ -118,3 +118,22 @@ def test_stats_account_for_every_token(model):
     assert stats.steps == sum(stats.tokens_per_step.values())
     assert sum(stats.accepted_by_drafter.values()) == stats.step_tokens - stats.steps
     assert stats.forward_time > 0 and stats.total_time >= stats.forward_time
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma", "phi3", "gpt2"])
+def test_more_architectures_identical(family):
+    """Mistral (no sliding window), Gemma, Phi-3 and GPT-2 (learned absolute positions, so the per-row
+    position_ids of tree and window rows matter)."""
+    model = tiny_model(family, dtype=torch.float64, seed=2)
+    for seed in range(3):
+        plain, fast, stats = _both(model, repetitive_prompt(seed), LookaheadConfig(adaptive=False),
+                                   max_new_tokens=40)
+        assert torch.equal(plain, fast)
+    assert stats.mean_tokens_per_step > 1
+
+
+@pytest.mark.parametrize("family, overrides", [("mistral", {"sliding_window": 16}), ("gemma3", {})])
+def test_sliding_window_models_are_refused_clearly(family, overrides):
+    model = tiny_model(family, dtype=torch.float64, seed=2, **overrides)
+    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer"):
+        model.generate(repetitive_prompt(0), max_new_tokens=5, custom_generate=Lookahead())

@@ -159,3 +159,42 @@ def test_config_is_validated():
         LookaheadConfig(window_columns=0)
     with pytest.raises(ValueError, match="prompt_max_ngram"):
         LookaheadConfig(prompt_min_ngram=3, prompt_max_ngram=2)
+
+
+def test_text_iterator_streamer_through_patch(tokenizer):
+    """A TextIteratorStreamer (consumed from another thread, as in a web app) gets exactly the returned text."""
+    import threading
+
+    from transformers import TextIteratorStreamer
+
+    model = tiny_model("llama", dtype=torch.float32, seed=6, vocab=len(tokenizer))
+    prompt = tokenizer("def add(a, b):\n    return a + b\n\ndef add(a, b):", return_tensors="pt").input_ids
+    lookahead.patch(model)
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault(
+        "out", model.generate(prompt, max_new_tokens=30, do_sample=False, streamer=streamer)))
+    worker.start()
+    streamed = "".join(streamer)
+    worker.join()
+    lookahead.unpatch(model)
+    assert streamed == tokenizer.decode(result["out"][0, prompt.shape[1]:])
+
+
+def test_generation_config_object_and_model_defaults(model):
+    from transformers import GenerationConfig
+
+    prompt = repetitive_prompt(3)
+    config = GenerationConfig(max_new_tokens=17, do_sample=False, repetition_penalty=1.2)
+    plain = model.generate(prompt, generation_config=config)
+    model.generation_config.max_new_tokens = 9  # the model's own defaults apply when nothing is passed
+    try:
+        plain_default = model.generate(prompt, do_sample=False)
+        lookahead.patch(model)
+        assert torch.equal(model.generate(prompt, generation_config=config), plain)
+        assert torch.equal(model.generate(prompt, do_sample=False), plain_default)
+        assert plain_default.shape[1] == prompt.shape[1] + 9
+    finally:
+        if "_lookahead_patch" in model.__dict__:
+            lookahead.unpatch(model)
+        model.generation_config.max_new_tokens = None

@@ -5,22 +5,40 @@ from __future__ import annotations
 import torch
 
 
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
+FAMILY_DEFAULTS = {"mistral": {"sliding_window": None}, "gemma": {"head_dim": 8},
+                   "gemma3": {"head_dim": 8, "sliding_window": 16}}
+
+
 def build_tiny_model(family: str = "llama", dtype: torch.dtype = torch.float64, seed: int = 0, vocab: int = 64,
                      layers: int = 2, **overrides) -> torch.nn.Module:
-    """A freshly initialised tiny causal LM in eval mode with no special tokens (bos/eos/pad = None).
+    """A freshly initialised tiny causal LM (`family` from FAMILIES or "gpt2") in eval mode with no special
+    tokens (bos/eos/pad = None).
 
     `overrides` go to the config (e.g. `attn_implementation="eager"`). A larger-than-default initializer range
     makes attention and logits far from uniform, so a wrong mask or position changes the logits visibly.
     """
     import transformers  # here, not at the top: test files without models should not pay for the import
 
-    names = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
-    config_cls, model_cls = (getattr(transformers, name) for name in names[family])
-    kwargs = dict(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
-    )  # fmt: skip
+    if family == "gpt2":  # learned absolute positions: per-row position_ids matter
+        config_cls, model_cls = transformers.GPT2Config, transformers.GPT2LMHeadModel
+        kwargs = dict(vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=1024,
+                      initializer_range=0.1, bos_token_id=None, eos_token_id=None)
+    else:
+        config_cls, model_cls = (getattr(transformers, name) for name in FAMILIES[family])
+        kwargs = dict(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+        )  # fmt: skip
+    kwargs.update(FAMILY_DEFAULTS.get(family, {}))
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kwargs)).to(dtype).eval()
