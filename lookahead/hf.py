@@ -30,7 +30,8 @@ class Lookahead:
     """Exact lookahead decoding as a `custom_generate` callable.
 
     `model.generate(**inputs, custom_generate=Lookahead(window_levels=2, ...))` returns exactly what
-    `model.generate(**inputs)` returns for greedy decoding, faster. Keyword arguments override fields of
+    `model.generate(**inputs)` returns for greedy decoding, faster; with `do_sample=True` it samples exactly
+    from the same distribution (with `seed=...`: the same tokens as `LookaheadConfig.off()` with that seed). Keyword arguments override fields of
     `config` (a `LookaheadConfig`); `shared_drafter` adds a cross-request drafter (`drafters.SharedDrafter`).
     After each call `last_stats` holds a `DecodeStats`. A streamer is passed as `lookahead_streamer=` (HF does
     not forward `streamer=` to a callable; `lookahead.patch` reroutes it automatically).
