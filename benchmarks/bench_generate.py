@@ -313,7 +313,8 @@ def parse_overrides(pairs: list[str]) -> dict:
             raise ValueError(f"--config expects key=value, got {pair!r}")
         if name not in defaults:
             raise ValueError(f"unknown lookahead option {name!r}; valid options: {sorted(defaults)}")
-        overrides[name] = _parse_value(name, value, type(defaults[name]))
+        kind = int if defaults[name] is None else type(defaults[name])  # None-default fields are ints (seed)
+        overrides[name] = _parse_value(name, value, kind)
     return overrides
 
 
@@ -382,13 +383,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/<time>.json)")
     parser.add_argument("--plots", action="store_true", help="also save PNG plots next to the JSON")
     args = parser.parse_args(argv)
-    for name in ("prompts_per_category", "max_new_tokens", "repeats", "threads", "prompt_lookup_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.methods is None:
         args.methods = [*DEFAULT_METHODS, *(["hf_assisted"] if args.draft_model else [])]
     if "hf_assisted" in args.methods and not args.draft_model:
         parser.error("--methods hf_assisted needs --draft-model PATH")
+    return finish_args(parser, args, ("prompts_per_category", "max_new_tokens", "repeats", "threads",
+                                      "prompt_lookup_tokens"))
+
+
+def finish_args(parser: argparse.ArgumentParser, args: argparse.Namespace, positive: tuple[str, ...]):
+    """Checks the benchmark scripts share: the `positive` counts are >= 1; `--config` overrides become
+    `args.lookahead_config`; the prompts are loaded into `args.prompts`. Errors go through `parser.error`."""
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     try:
         from lookahead import LookaheadConfig
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from bench_generate import machine_info, parse_overrides, write_json
-from prompts import CATEGORIES, DEFAULT_PROMPTS_DIR, encode, load_prompts
+from bench_generate import finish_args, machine_info, write_json
+from prompts import CATEGORIES, DEFAULT_PROMPTS_DIR, encode
 
 DEFAULT_CATEGORIES = ("code", "summarization", "chat")  # copying-friendly, grounded, free text
 
@@ -108,17 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="LookaheadConfig override (repeatable)")
     parser.add_argument("--out", type=Path, default=None, help="also write the measurements as JSON")
     args = parser.parse_args(argv)
-    for name in ("prompts_per_category", "max_new_tokens", "repeats", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    try:
-        from lookahead import LookaheadConfig
-
-        args.lookahead_config = LookaheadConfig().with_overrides(**parse_overrides(args.config))
-        args.prompts = load_prompts(args.categories, args.prompts_per_category, args.prompts_dir)
-    except ValueError as exc:
-        parser.error(str(exc))
-    return args
+    return finish_args(parser, args, ("prompts_per_category", "max_new_tokens", "repeats", "threads"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,7 +22,7 @@ from openai import OpenAI
 from tiny_models import build_tiny_model
 
 from lookahead import Lookahead, LookaheadConfig, load_model
-from lookahead.server import (APIError, ServerSettings, create_app, first_stop, model_name_for, sampling_kwargs,
+from lookahead.server import (ServerSettings, create_app, first_stop, model_name_for, sampling_kwargs,
                               stable_length)
 from lookahead.server_schema import Sampling
 from lookahead.suffix_cache import SuffixCache
