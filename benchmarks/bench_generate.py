@@ -362,16 +362,7 @@ def _progress_bar(total: int, enabled: bool):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")
-    parser.add_argument("--categories", nargs="+", default=list(DEFAULT_CATEGORIES), choices=list(CATEGORIES),
-                        metavar="CATEGORY",
-                        help=f"of {', '.join(CATEGORIES)} (default: {' '.join(DEFAULT_CATEGORIES)})")
-    parser.add_argument("--prompts-per-category", type=int, default=4)
-    parser.add_argument("--prompts-dir", type=Path, default=DEFAULT_PROMPTS_DIR)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser = common_parser(__doc__.splitlines()[0], prompts_per_category=4, repeats=2)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
@@ -389,6 +380,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--methods hf_assisted needs --draft-model PATH")
     return finish_args(parser, args, ("prompts_per_category", "max_new_tokens", "repeats", "threads",
                                       "prompt_lookup_tokens"))
+
+
+def common_parser(description: str, prompts_per_category: int, repeats: int,
+                  categories: tuple[str, ...] = DEFAULT_CATEGORIES) -> argparse.ArgumentParser:
+    """The options every benchmark script takes: model, categories, prompts, lengths, repeats, threads."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")
+    parser.add_argument("--categories", nargs="+", default=list(categories), choices=list(CATEGORIES),
+                        metavar="CATEGORY", help=f"of {', '.join(CATEGORIES)} (default: {' '.join(categories)})")
+    parser.add_argument("--prompts-per-category", type=int, default=prompts_per_category)
+    parser.add_argument("--prompts-dir", type=Path, default=DEFAULT_PROMPTS_DIR)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    return parser
 
 
 def finish_args(parser: argparse.ArgumentParser, args: argparse.Namespace, positive: tuple[str, ...]):

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from bench_generate import finish_args, machine_info, write_json
-from prompts import CATEGORIES, DEFAULT_PROMPTS_DIR, encode
+from bench_generate import common_parser, finish_args, machine_info, write_json
+from prompts import encode
 
 DEFAULT_CATEGORIES = ("code", "summarization", "chat")  # copying-friendly, grounded, free text
 
@@ -94,16 +94,8 @@ def format_table(summary: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")
-    parser.add_argument("--categories", nargs="+", default=list(DEFAULT_CATEGORIES), choices=list(CATEGORIES),
-                        metavar="CATEGORY",
-                        help=f"of {', '.join(CATEGORIES)} (default: {' '.join(DEFAULT_CATEGORIES)})")
-    parser.add_argument("--prompts-per-category", type=int, default=2)
-    parser.add_argument("--prompts-dir", type=Path, default=DEFAULT_PROMPTS_DIR)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser = common_parser(__doc__.splitlines()[0], prompts_per_category=2, repeats=1,
+                           categories=DEFAULT_CATEGORIES)
     parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                         help="LookaheadConfig override (repeatable)")
     parser.add_argument("--out", type=Path, default=None, help="also write the measurements as JSON")

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .budget import CostCurve, StepPlanner
-from .cache import check_compactable, keep_rows
+from .cache import keep_rows
 from .config import LookaheadConfig
 from .drafters import POOL, SOURCE_DRAFTER, Drafters
 from .jacobi import JacobiWindow
@@ -47,8 +47,7 @@ class Decoder:
 
     def __init__(self, model, config: LookaheadConfig, request: DecodeRequest):
         self.model, self.config, self.request = model, config, request
-        self.cache = request.prompt_kwargs["past_key_values"]
-        check_compactable(self.cache)
+        self.cache = request.prompt_kwargs["past_key_values"]  # checked compactable at the boundary (hf.py)
         prompt = request.input_ids[0].cpu().numpy()
         self.ids = np.zeros(request.max_length + config.max_draft_len + 1, dtype=np.int64)  # committed text
         self.ids[: len(prompt)] = prompt

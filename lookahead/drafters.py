@@ -37,9 +37,8 @@ class Drafters:
         self.pool = NGramPool(n=config.pool_ngram_size, max_keys=config.pool_max_keys,
                               per_key=config.pool_per_key, vocab_size=vocab_size) \
             if config.pool_candidates else None
-        self._text = context
         self._text_len = 0
-        self.observe(context)
+        self.observe(context)  # sets self._text
 
     def observe(self, text: np.ndarray) -> None:
         """Learn the committed text `text` ([n] int64, the whole text so far; only the new tail is read)."""
