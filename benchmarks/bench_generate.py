@@ -1,8 +1,10 @@
-"""Speed suite: HF greedy, HF prompt lookup, HF assisted generation and lookahead on the same prompts.
+"""Speed suite: HF greedy, HF prompt lookup, HF assisted generation and lookahead (model-free, and with the
+draft model when one is given) on the same prompts.
 
     python benchmarks/bench_generate.py [--model PATH] [--categories code rag ...] [--prompts-per-category 4]
         [--max-new-tokens 128] [--repeats 2] [--threads 2] [--methods hf_greedy lookahead ...]
-        [--config window_levels=3 ...] [--draft-model PATH] [--out benchmarks/results/NAME.json] [--plots]
+        [--config window_levels=3 ...] [--draft-model PATH | --draft-layers N]
+        [--out benchmarks/results/NAME.json] [--plots]
 
 All methods run in one process on the same encoded prompts, greedy (`do_sample=False`). After one untimed
 warm-up run per method, every repetition visits every prompt and runs all methods on it in an order rotated
@@ -31,8 +33,9 @@ import torch
 
 from prompts import CATEGORIES, DEFAULT_CATEGORIES, DEFAULT_PROMPTS_DIR, Prompt, encode, load_prompts
 
-METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted", "lookahead", "lookahead_off")
+METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted", "lookahead", "lookahead_draft", "lookahead_off")
 DEFAULT_METHODS = ("hf_greedy", "hf_prompt_lookup", "lookahead")
+DRAFT_METHODS = ("hf_assisted", "lookahead_draft")  # need a draft model; added to the defaults when one is given
 REFERENCE = "hf_greedy"  # outputs of every other method are compared with it, token for token
 BASELINES = ("hf_greedy", "hf_prompt_lookup")  # speedups are reported against these
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -43,7 +46,8 @@ def run_suite(model, tokenizer, prompts: list[Prompt], methods, repeats: int, ma
     """Run every method on every prompt `repeats` times (interleaved) and summarize.
 
     `config` is the `LookaheadConfig` of the `lookahead` method (`lookahead_off` always uses
-    `LookaheadConfig.off()`); `hf_assisted` needs `draft_model`. Returns a JSON-ready dict with `settings`,
+    `LookaheadConfig.off()`, `lookahead_draft` adds `draft_model`); `hf_assisted` and `lookahead_draft` need
+    `draft_model`. Returns a JSON-ready dict with `settings`,
     `prompts` (id, category, prompt tokens), `runs` (one dict per timed run, see `_timed_run`) and `summary`
     (see `summarize`). Raises `ValueError` for an unknown method, a missing draft model or bad counts.
     """
@@ -51,23 +55,13 @@ def run_suite(model, tokenizer, prompts: list[Prompt], methods, repeats: int, ma
     kwargs = method_kwargs(methods, config, prompt_lookup_tokens, draft_model)
     encoded = [encode(tokenizer, prompt).to(model.device) for prompt in prompts]  # [1, L] each
     bar = _progress_bar(len(methods) * (1 + repeats * len(prompts)), progress)
-    runs: list[dict] = []
     with ForwardCounter(model) as counter:
         for method in methods:  # warm-up: JIT compiles, allocator and kernel caches; not recorded
             bar.set_postfix_str(f"warm-up {method}")
             _timed_run(model, encoded[0], method, kwargs[method], max_new_tokens, counter)
             bar.update()
-        for repeat in range(repeats):
-            for index, (prompt, input_ids) in enumerate(zip(prompts, encoded)):
-                round_runs = []
-                for slot, method in enumerate(rotated(methods, repeat * len(prompts) + index)):
-                    bar.set_postfix_str(f"{prompt.category} {method}")
-                    run = _timed_run(model, input_ids, method, kwargs[method], max_new_tokens, counter)
-                    round_runs.append(dict(prompt_id=prompt.id, category=prompt.category, repeat=repeat,
-                                           slot=slot, **run))
-                    bar.update()
-                mark_identity(round_runs)
-                runs += round_runs
+        runs = interleaved_runs(prompts, encoded, list(methods), repeats, bar, lambda input_ids, method: _timed_run(
+            model, input_ids, method, kwargs[method], max_new_tokens, counter))
     bar.close()
     return {
         "settings": {"methods": list(methods), "repeats": repeats, "max_new_tokens": max_new_tokens,
@@ -80,6 +74,25 @@ def run_suite(model, tokenizer, prompts: list[Prompt], methods, repeats: int, ma
     }
 
 
+def interleaved_runs(prompts: list[Prompt], encoded: list, methods: list[str], repeats: int, bar,
+                     run_one) -> list[dict]:
+    """`repeats` rounds over the prompts; on each prompt every method runs once, in an order rotated from prompt
+    to prompt. run_one(input_ids, method) -> run dict; each run gets prompt_id, category, repeat, slot and the
+    identity marks of `mark_identity`. `bar` is advanced once per run."""
+    runs: list[dict] = []
+    for repeat in range(repeats):
+        for index, (prompt, input_ids) in enumerate(zip(prompts, encoded)):
+            round_runs = []
+            for slot, method in enumerate(rotated(methods, repeat * len(prompts) + index)):
+                bar.set_postfix_str(f"{prompt.category} {method}")
+                round_runs.append(dict(prompt_id=prompt.id, category=prompt.category, repeat=repeat, slot=slot,
+                                       **run_one(input_ids, method)))
+                bar.update()
+            mark_identity(round_runs)
+            runs += round_runs
+    return runs
+
+
 def method_kwargs(methods, config, prompt_lookup_tokens: int, draft_model) -> dict[str, dict]:
     """The extra `generate` keyword arguments of each method (one `Lookahead` object per lookahead method)."""
     from lookahead import Lookahead, LookaheadConfig
@@ -89,6 +102,7 @@ def method_kwargs(methods, config, prompt_lookup_tokens: int, draft_model) -> di
         "hf_prompt_lookup": lambda: {"prompt_lookup_num_tokens": prompt_lookup_tokens},
         "hf_assisted": lambda: {"assistant_model": draft_model},
         "lookahead": lambda: {"custom_generate": Lookahead(config)},
+        "lookahead_draft": lambda: {"custom_generate": Lookahead(config, draft_model=draft_model)},
         "lookahead_off": lambda: {"custom_generate": Lookahead(LookaheadConfig.off())},
     }
     return {method: table[method]() for method in methods}
@@ -278,13 +292,13 @@ def machine_info(threads: int) -> dict:
 
     import lookahead
 
-    return {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "threads": threads,
+    return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "threads": threads,
             "load_average": [os.getloadavg()[0]], "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "lookahead": lookahead.__version__}
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU model name from /proc/cpuinfo (Linux), else what `platform` knows."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
@@ -346,8 +360,9 @@ def _check_suite_args(methods, repeats: int, max_new_tokens: int, prompts: list,
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods or len(set(methods)) != len(methods):
         raise ValueError(f"methods must be distinct names from {list(METHODS)}, got {list(methods)}")
-    if "hf_assisted" in methods and draft_model is None:
-        raise ValueError("method hf_assisted needs a draft model (--draft-model PATH)")
+    needing = [m for m in methods if m in DRAFT_METHODS]
+    if needing and draft_model is None:
+        raise ValueError(f"method {needing[0]} needs a draft model (--draft-model PATH or --draft-layers N)")
     if repeats < 1 or max_new_tokens < 1 or not prompts:
         raise ValueError(f"need repeats >= 1, max_new_tokens >= 1 and prompts (got {repeats}, {max_new_tokens}, "
                          f"{len(prompts)} prompts)")
@@ -367,17 +382,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
                         help=f"of {', '.join(METHODS)} (default: {' '.join(DEFAULT_METHODS)}, "
-                             "+ hf_assisted with --draft-model)")
+                             f"+ {' '.join(DRAFT_METHODS)} with a draft model)")
     parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                         help="LookaheadConfig override for the lookahead method (repeatable)")
-    parser.add_argument("--draft-model", default=None, help="draft model for HF assisted generation")
+    drafts = parser.add_mutually_exclusive_group()
+    drafts.add_argument("--draft-model", default=None, help="draft model (same tokenizer) for hf_assisted and "
+                                                            "lookahead_draft")
+    drafts.add_argument("--draft-layers", type=int, default=None,
+                        help="self-speculative draft: the model's own first N layers and LM head")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/<time>.json)")
     parser.add_argument("--plots", action="store_true", help="also save PNG plots next to the JSON")
     args = parser.parse_args(argv)
+    has_draft = args.draft_model is not None or args.draft_layers is not None
     if args.methods is None:
-        args.methods = [*DEFAULT_METHODS, *(["hf_assisted"] if args.draft_model else [])]
-    if "hf_assisted" in args.methods and not args.draft_model:
-        parser.error("--methods hf_assisted needs --draft-model PATH")
+        args.methods = [*DEFAULT_METHODS, *(DRAFT_METHODS if has_draft else ())]
+    needing = [m for m in args.methods if m in DRAFT_METHODS]
+    if needing and not has_draft:
+        parser.error(f"--methods {needing[0]} needs --draft-model PATH or --draft-layers N")
+    if args.draft_layers is not None and args.draft_layers < 1:
+        parser.error(f"--draft-layers must be at least 1, got {args.draft_layers}")
     return finish_args(parser, args, ("prompts_per_category", "max_new_tokens", "repeats", "threads",
                                       "prompt_lookup_tokens"))
 
@@ -421,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     model, tokenizer = load_model(args.model, dtype=dtype)
-    draft_model = load_model(args.draft_model, dtype=dtype)[0] if args.draft_model else None
+    draft_model = load_draft(model, args.draft_model, args.draft_layers, dtype)
     machine = machine_info(args.threads)
     result = run_suite(model, tokenizer, args.prompts, args.methods, args.repeats, args.max_new_tokens,
                        args.lookahead_config, prompt_lookup_tokens=args.prompt_lookup_tokens,
@@ -430,8 +453,9 @@ def main(argv: list[str] | None = None) -> None:
     from lookahead.budget import cost_curve_for
 
     result["cost_curve"] = json.loads(cost_curve_for(model).to_json())
-    result = {"command": _command_line(), "model": args.model or "SmolLM2-135M-Instruct (embedded default)",
-              "draft_model": args.draft_model, "machine": machine,
+    draft_name = f"first {args.draft_layers} layers of the model" if args.draft_layers else args.draft_model
+    result = {"command": command_line(), "model": args.model or "SmolLM2-135M-Instruct (embedded default)",
+              "draft_model": draft_name, "machine": machine,
               "date": datetime.datetime.now().isoformat(timespec="seconds"), **result}
     out = args.out or RESULTS_DIR / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
     write_json(result, out)
@@ -444,14 +468,28 @@ def main(argv: list[str] | None = None) -> None:
             print(f"plot: {path}", file=sys.stderr)
 
 
-def _command_line() -> str:
+def load_draft(model, path: str | None, layers: int | None, dtype: torch.dtype):
+    """The draft model: loaded from `path`, or the early-exit draft of `model`'s first `layers` layers, or None."""
+    from lookahead import load_model
+    from lookahead.draft_model import check_draft_model, early_exit_draft
+
+    if layers is not None:
+        return early_exit_draft(model, layers)
+    if path is None:
+        return None
+    draft = load_model(path, dtype=dtype)[0]
+    check_draft_model(model, draft)
+    return draft
+
+
+def command_line(interpreter: str = "python") -> str:
     """The command that ran this script, with the script path relative to the working directory if possible."""
     script = Path(sys.argv[0]).resolve()
     try:
         script = script.relative_to(Path.cwd())
     except ValueError:
         pass
-    return shlex.join(["python", str(script), *sys.argv[1:]])
+    return shlex.join([interpreter, str(script), *sys.argv[1:]])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import sys
 import click
 
 from lookahead.cli.calibrate import calibrate
-from lookahead.cli.options import build_config, read_prompt, sampling_kwargs
+from lookahead.cli.options import build_config, draft_choice, read_prompt, sampling_kwargs
 from lookahead.cli.serve import serve
 
 
@@ -38,15 +38,21 @@ def main() -> None:
 @click.option("--window-levels", type=click.IntRange(0, 8), default=None, help="Jacobi window levels (0 = off).")
 @click.option("--window-columns", type=click.IntRange(1, 64), default=None, help="Jacobi window columns.")
 @click.option("--tree-budget", type=click.IntRange(0, 1024), default=None, help="Draft tree nodes per step.")
+@click.option("--draft-model", "draft_path", type=click.Path(), default=None,
+              help="A small model with the same tokenizer that drafts a chain each step (HF folder or .gguf).")
+@click.option("--draft-layers", type=click.IntRange(min=1), default=None,
+              help="Self-speculative draft: the model's own first N layers plus its LM head.")
+@click.option("--draft-tokens", type=click.IntRange(1, 64), default=None, help="Draft-model chain length per step.")
 def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sample, temperature, top_k, top_p,
-             **knobs) -> None:
+             draft_path, draft_layers, **knobs) -> None:
     """Stream a completion of PROMPT (or of stdin when PROMPT is omitted or `-`); greedy unless --sample."""
     from lookahead.cli.run import run_generate
 
     text = read_prompt(prompt, sys.stdin)
     config = build_config(mode, knobs)
     sampling = sampling_kwargs(sample, temperature, top_k, top_p)
-    run_generate(text, model_path, chat, max_new_tokens, config, stats, compare, sampling)
+    draft = draft_choice(draft_path, draft_layers, mode)
+    run_generate(text, model_path, chat, max_new_tokens, config, stats, compare, sampling, draft)
 
 
 main.add_command(serve)

@@ -50,3 +50,15 @@ def build_config(mode: str, knobs: dict) -> LookaheadConfig:
         return LookaheadConfig().with_overrides(**pinned)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+
+
+def draft_choice(path: str | None, layers: int | None, mode: str) -> tuple[str, str | int] | None:
+    """("model", path), ("layers", n) or None from --draft-model / --draft-layers; raises `click.UsageError`
+    when both are given or when speculation is off."""
+    if path is not None and layers is not None:
+        raise click.UsageError("--draft-model and --draft-layers exclude each other; pick one draft")
+    if path is None and layers is None:
+        return None
+    if mode == "off":
+        raise click.UsageError("a draft model needs speculation: drop --mode off")
+    return ("model", path) if path is not None else ("layers", layers)

@@ -8,22 +8,24 @@ import click
 import torch
 
 from lookahead.config import LookaheadConfig
+from lookahead.draft_model import check_draft_model, check_same_tokenizer, early_exit_draft
 from lookahead.hf import Lookahead
 from lookahead.models import ModelLoadError, load_model
 
 
 def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: int, config: LookaheadConfig,
-                 stats: bool, compare: bool, sampling: dict) -> None:
-    """Generate (greedy, or sampled per `sampling` kwargs), streaming to stdout; errors become one-line
-    `click.ClickException`s."""
+                 stats: bool, compare: bool, sampling: dict, draft: tuple | None = None) -> None:
+    """Generate (greedy, or sampled per `sampling` kwargs), streaming to stdout; `draft` is the
+    `options.draft_choice`. Errors become one-line `click.ClickException`s."""
     from transformers import TextStreamer
 
     try:
         model, tokenizer = load_model(model_path)
-    except ModelLoadError as exc:
+        draft_model = _load_draft(model, tokenizer, draft)
+    except (ModelLoadError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     input_ids = _encode(tokenizer, text, chat)
-    decoder = Lookahead(config)
+    decoder = Lookahead(config, draft_model=draft_model)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     try:
         output = model.generate(input_ids, max_new_tokens=max_new_tokens, custom_generate=decoder,
@@ -36,6 +38,20 @@ def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: 
         if sampling["do_sample"]:
             raise click.ClickException("--compare checks identity with plain greedy; drop --sample")
         _compare(model, input_ids, max_new_tokens, output, decoder.last_stats.total_time)
+
+
+def _load_draft(model, tokenizer, draft: tuple | None):
+    """The draft model of `draft` (None, ("model", path) or ("layers", n)); raises `ValueError` for a draft
+    whose tokenizer differs from the target's."""
+    if draft is None:
+        return None
+    kind, value = draft
+    if kind == "layers":
+        return early_exit_draft(model, value)
+    draft_model, draft_tokenizer = load_model(value)
+    check_same_tokenizer(tokenizer, draft_tokenizer)
+    check_draft_model(model, draft_model)
+    return draft_model
 
 
 def _encode(tokenizer, text: str, chat: bool) -> torch.Tensor:

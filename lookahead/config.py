@@ -17,6 +17,7 @@ class LookaheadConfig:
       - prompt lookup: up to `prompt_candidates` continuations of suffix matches in prompt + output (0 = off),
         matching suffixes of `prompt_min_ngram..prompt_max_ngram` tokens.
       - shared: up to `shared_candidates` continuations from a cross-request drafter, when one is given.
+      - draft model: a chain of up to `draft_tokens` tokens per step, when a draft model is given.
     Every candidate is at most `max_draft_len` tokens; the merged trie keeps at most `tree_budget` nodes
     besides the root (0 = verify no drafts: plain decoding through the same loop).
     With `adaptive` (the default) `tree_budget` and the window are upper bounds: each step keeps only the
@@ -35,6 +36,7 @@ class LookaheadConfig:
     pool_max_keys: int = 16384
     prompt_candidates: int = 3
     shared_candidates: int = 3
+    draft_tokens: int = 4
     prompt_min_ngram: int = 1
     prompt_max_ngram: int = 4
     max_draft_len: int = 8
@@ -50,6 +52,7 @@ class LookaheadConfig:
         _check_range("pool_max_keys", self.pool_max_keys, 1, 1 << 22)
         _check_range("prompt_candidates", self.prompt_candidates, 0, 64)
         _check_range("shared_candidates", self.shared_candidates, 0, 64)
+        _check_range("draft_tokens", self.draft_tokens, 1, 64)
         _check_range("prompt_min_ngram", self.prompt_min_ngram, 1, 64)
         _check_range("prompt_max_ngram", self.prompt_max_ngram, self.prompt_min_ngram, 64)
         _check_range("max_draft_len", self.max_draft_len, 1, 256)

@@ -1,4 +1,4 @@
-"""Prefill and the step loop: draft → pack → forward → verify → commit → update (batch size 1, greedy)."""
+"""Prefill and the step loop: draft → pack → forward → verify → commit → update (batch size 1)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from .budget import CostCurve, StepPlanner
 from .cache import keep_rows
 from .config import LookaheadConfig
+from .draft_model import ModelDrafter
 from .drafters import POOL, SOURCE_DRAFTER, Drafters
 from .jacobi import JacobiWindow
 from .layout import pack
@@ -28,7 +29,8 @@ class DecodeRequest:
     position ids, ...); logits_processor / stopping_criteria: HF lists; max_length: prompt + new tokens cap;
     streamer: optional HF streamer that receives committed tokens; shared_drafter: optional cross-request drafter
     (see `drafters.SharedDrafter`); cost_curve: the model's measured cost curve (None = verify the whole tree and
-    window every step).
+    window every step); do_sample: sample instead of greedy; draft_model: optional small causal LM with the
+    target's vocabulary (checked by the caller) that drafts a chain each step.
     """
 
     input_ids: torch.Tensor
@@ -40,6 +42,7 @@ class DecodeRequest:
     shared_drafter: object = None
     cost_curve: CostCurve | None = None
     do_sample: bool = False
+    draft_model: object = None
 
 
 class Decoder:
@@ -53,16 +56,24 @@ class Decoder:
         self.ids[: len(prompt)] = prompt
         self.length = len(prompt)
         self.stats = DecodeStats()
+        self.rule = make_rule(request.do_sample, config.seed)
+        self.prefix_hidden = _hidden_slots(request.prompt_kwargs.get("attention_mask"))
         self.drafters = Drafters(config, model.config.get_text_config().vocab_size, prompt,
-                                 request.shared_drafter)
+                                 request.shared_drafter, self._model_drafter())
         self.window = JacobiWindow(config.window_levels, config.window_columns, config.seed or 0) \
             if config.window_size else None
         if self.window is not None:
             self.window.reset(prompt)
-        self.rule = make_rule(request.do_sample, config.seed)
         self.planner = StepPlanner(request.cost_curve, len(SOURCE_DRAFTER), config.window_size)
-        self.prefix_hidden = _hidden_slots(request.prompt_kwargs.get("attention_mask"))
         self.device = request.input_ids.device
+
+    def _model_drafter(self) -> ModelDrafter | None:
+        """The draft model's drafter (None without a draft model); it skips the prompt's left padding."""
+        if self.request.draft_model is None:
+            return None
+        skip = int(self.prefix_hidden.long().cumprod(0).sum()) if self.prefix_hidden is not None else 0
+        processor = self.request.logits_processor if self._has_processors() else None
+        return ModelDrafter(self.request.draft_model, self.config.draft_tokens, self.rule.propose, processor, skip)
 
     @torch.no_grad()
     def run(self) -> torch.Tensor:
@@ -107,7 +118,8 @@ class Decoder:
                             attention_mask=inputs.attention_mask, past_key_values=self.cache,
                             use_cache=True, return_dict=True).logits[0]  # [T, V]
         t2 = time.perf_counter()
-        verdict = self.rule.walk(tree, logits[: inputs.n_tree], self._node_scorer(), root_index=self.length - 1)
+        verdict = self.rule.walk(tree, logits[: inputs.n_tree], self._node_scorer(), root_index=self.length - 1,
+                                 sampled=self.drafters.sampled_drafts(tree))
         tokens, finished = self._cut_at_stop(verdict.tokens)
         keep_rows(self.cache, self.prefix_len, verdict.path[: len(tokens)])
         self.planner.learn(candidates, tokens, window is not None, POOL)

@@ -1,4 +1,5 @@
-"""The model-free drafters of one generation: prompt lookup and the n-gram pool, fed as text grows."""
+"""The drafters of one generation: prompt lookup and the n-gram pool (fed as text grows), an optional
+cross-request drafter and an optional draft model; their candidates merged into one `DraftTree`."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ import numpy as np
 from typing import Protocol
 
 from .config import LookaheadConfig
+from .draft_model import ModelDrafter
 from .ngram_pool import NGramPool
 from .prompt_lookup import PromptLookup
+from .sampling import SampledDrafts
 from .tree import DraftTree
 
 # DraftTree.source indexes these: prompt lookup is split by suffix-match length (1, 2, 3+ tokens) because
 # its acceptance rate depends strongly on it, and the budget keeps one running rate per source.
-SOURCE_DRAFTER = ("prompt", "prompt", "prompt", "pool", "shared")
-PROMPT, POOL, SHARED = 0, 3, 4
+SOURCE_DRAFTER = ("prompt", "prompt", "prompt", "pool", "shared", "draft_model")
+PROMPT, POOL, SHARED, DRAFT_MODEL = 0, 3, 4, 5
 PROMPT_SOURCES = 3
 
 
@@ -29,9 +32,11 @@ class Drafters:
     """Proposes candidate continuations of the root and learns from committed text and window n-grams."""
 
     def __init__(self, config: LookaheadConfig, vocab_size: int, context: np.ndarray,
-                 shared: SharedDrafter | None = None):
-        """context: [n] int64, the prompt (committed text so far); shared: optional cross-request drafter."""
-        self.config, self.shared = config, shared
+                 shared: SharedDrafter | None = None, model_drafter: ModelDrafter | None = None):
+        """context: [n] int64, the prompt (committed text so far); shared: optional cross-request drafter;
+        model_drafter: optional draft model (its chain is ranked first)."""
+        self.config, self.shared, self.model_drafter = config, shared, model_drafter
+        self._chain = np.zeros(0, dtype=np.int64)
         self.prompt = PromptLookup(max_ngram=config.prompt_max_ngram, min_ngram=config.prompt_min_ngram) \
             if config.prompt_candidates else None
         self.pool = NGramPool(n=config.pool_ngram_size, max_keys=config.pool_max_keys,
@@ -57,7 +62,12 @@ class Drafters:
     def draft(self, root: int, max_len: int) -> DraftTree:
         """Merge every drafter's candidates (each cut to `max_len` tokens) into a `DraftTree` for `root`."""
         paths, sources = [], []
+        self._chain = np.zeros(0, dtype=np.int64)
         if max_len > 0 and self.config.tree_budget > 0:
+            if self.model_drafter is not None:
+                self._chain = self.model_drafter.propose(self._text, max_len)
+                paths.append(self._chain)
+                sources.append(DRAFT_MODEL)
             if self.prompt is not None:
                 found = self.prompt.propose(self.config.prompt_candidates, max_len)
                 paths += found
@@ -71,3 +81,17 @@ class Drafters:
                 paths += found
                 sources += [SHARED] * len(found)
         return DraftTree.from_paths(root, paths, sources, self.config.tree_budget)
+
+    def sampled_drafts(self, tree: DraftTree) -> SampledDrafts:
+        """The draft model's sampled chain as it survives in `tree` (e.g. after pruning): {parent node: (chain
+        token, the q it was sampled from)}. Empty when the chain was picked deterministically or not drafted."""
+        out: SampledDrafts = {}
+        node = 0
+        probs = self.model_drafter.last_probs if self.model_drafter is not None else []
+        for token, q in zip(self._chain.tolist(), probs):
+            child = tree.children[node].get(token)
+            if q is None or child is None:
+                break
+            out[node] = (token, q)
+            node = child
+        return out

@@ -20,6 +20,7 @@ from .budget import cost_curve_for
 from .cache import check_compactable
 from .config import LookaheadConfig
 from .decoder import DecodeRequest, Decoder
+from .draft_model import check_draft_model
 from .stats import DecodeStats
 
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
@@ -32,14 +33,17 @@ class Lookahead:
     `model.generate(**inputs, custom_generate=Lookahead(window_levels=2, ...))` returns exactly what
     `model.generate(**inputs)` returns for greedy decoding, faster; with `do_sample=True` it samples exactly
     from the same distribution (with `seed=...`: the same tokens as `LookaheadConfig.off()` with that seed). Keyword arguments override fields of
-    `config` (a `LookaheadConfig`); `shared_drafter` adds a cross-request drafter (`drafters.SharedDrafter`).
+    `config` (a `LookaheadConfig`); `shared_drafter` adds a cross-request drafter (`drafters.SharedDrafter`);
+    `draft_model` adds a small causal LM with the target's vocabulary that drafts a chain of
+    `config.draft_tokens` tokens each step (exact too: sampled chains are accepted with min(1, p/q)).
     After each call `last_stats` holds a `DecodeStats`. A streamer is passed as `lookahead_streamer=` (HF does
     not forward `streamer=` to a callable; `lookahead.patch` reroutes it automatically).
     """
 
-    def __init__(self, config: LookaheadConfig | None = None, shared_drafter=None, **overrides):
+    def __init__(self, config: LookaheadConfig | None = None, shared_drafter=None, draft_model=None,
+                 **overrides):
         self.config = (config or LookaheadConfig()).with_overrides(**overrides)
-        self.shared_drafter = shared_drafter
+        self.shared_drafter, self.draft_model = shared_drafter, draft_model
         self.last_stats: DecodeStats | None = None
 
     def __call__(self, model, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
@@ -48,12 +52,15 @@ class Lookahead:
         """Decoding loop called by `generate`; returns what `generate` would (sequences or a dict output)."""
         _check_generation_config(generation_config, input_ids)
         check_compactable(model_kwargs.get("past_key_values"))  # before anything runs on this model
+        if self.draft_model is not None:
+            check_draft_model(model, self.draft_model)
         if lookahead_streamer is not None:
             lookahead_streamer.put(input_ids.cpu())  # generate only feeds the prompt to its own `streamer=`
         request = DecodeRequest(input_ids=input_ids, prompt_kwargs=model_kwargs, logits_processor=logits_processor,
                                 stopping_criteria=stopping_criteria, max_length=generation_config.max_length,
                                 streamer=lookahead_streamer, shared_drafter=self.shared_drafter,
-                                cost_curve=self._cost_curve(model), do_sample=bool(generation_config.do_sample))
+                                cost_curve=self._cost_curve(model), do_sample=bool(generation_config.do_sample),
+                                draft_model=self.draft_model)
         decoder = Decoder(model, self.config, request)
         sequences = decoder.run()
         self.last_stats = decoder.stats
@@ -64,7 +71,8 @@ class Lookahead:
 
     def _cost_curve(self, model):
         """The model's measured cost curve when the budget adapts (measured once, then cached on disk)."""
-        if self.config.adaptive and self.config.speculates:
+        drafts = self.config.speculates or (self.draft_model is not None and self.config.tree_budget > 0)
+        if self.config.adaptive and drafts:
             return cost_curve_for(model)
         return None
 

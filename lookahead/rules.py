@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import probs_from_scores, sample_point_mass, sample_seeded, verify_point_mass, verify_seeded
+from .sampling import (SampledDrafts, probs_from_scores, sample_point_mass, sample_seeded, verify_point_mass,
+                       verify_seeded)
 from .tree import DraftTree
 from .verify import NodeScorer, Verdict, verify_greedy
 
@@ -21,7 +22,12 @@ class GreedyRule:
         """Token at sequence index `index` from its processed scores [V]."""
         return int(scores.argmax())
 
-    def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer | None, root_index: int) -> Verdict:
+    def propose(self, scores: torch.Tensor, index: int) -> tuple[int, None]:
+        """A draft model's token at `index`: the argmax of its scores [V] (a point-mass draft)."""
+        return int(scores.argmax()), None
+
+    def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer | None, root_index: int,
+             sampled: SampledDrafts | None = None) -> Verdict:
         """Verify `tree` against its rows' raw logits [N, V]."""
         return verify_greedy(tree, logits, scorer)
 
@@ -36,9 +42,16 @@ class SampledRule:
         """Sample the token at `index` from softmax(scores)."""
         return sample_point_mass(probs_from_scores(scores), [], self.generator)
 
-    def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer, root_index: int) -> Verdict:
-        """Accept children with their residual probability; the bonus comes from the residual or the leaf."""
-        return verify_point_mass(tree, _probs_at(tree, logits, scorer), self.generator)
+    def propose(self, scores: torch.Tensor, index: int) -> tuple[int, torch.Tensor]:
+        """A draft model's token at `index`: a sample from q = softmax(scores [V]); returns (token, q)."""
+        q = probs_from_scores(scores)
+        return sample_point_mass(q, [], self.generator), q
+
+    def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer, root_index: int,
+             sampled: SampledDrafts | None = None) -> Verdict:
+        """Accept a sampled draft with min(1, p/q), point-mass children with their residual probability; the
+        bonus comes from the residual or the leaf."""
+        return verify_point_mass(tree, _probs_at(tree, logits, scorer), self.generator, sampled)
 
 
 class SeededRule:
@@ -52,7 +65,13 @@ class SeededRule:
         """Gumbel-max draw of the token at `index`."""
         return sample_seeded(probs_from_scores(scores), self.seed, index)
 
-    def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer, root_index: int) -> Verdict:
+    def propose(self, scores: torch.Tensor, index: int) -> tuple[int, None]:
+        """A draft model's token at `index`: the Gumbel-max draw with the target's noise for `index`, so it
+        matches the target's token whenever the two argmaxes agree (a point-mass draft)."""
+        return sample_seeded(probs_from_scores(scores), self.seed, index), None
+
+    def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer, root_index: int,
+             sampled: SampledDrafts | None = None) -> Verdict:
         """Greedy walk on the noise-perturbed log-probabilities of each visited node."""
         return verify_seeded(tree, _probs_at(tree, logits, scorer), self.seed, root_index)
 

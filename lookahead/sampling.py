@@ -16,6 +16,8 @@ from .verify import Verdict, verify_greedy
 
 # (node, path tokens from the root's child down to the node) -> target probabilities at that node [V]
 NodeProbs = Callable[[int, list[int]], torch.Tensor]
+# node -> (its child token that a draft model sampled from q, that q [V]): the draft-model chain in the tree
+SampledDrafts = dict[int, tuple[int, torch.Tensor]]
 
 _MASK64 = (1 << 64) - 1
 
@@ -63,6 +65,28 @@ def sample_point_mass(probs: torch.Tensor, drafts: list[int], generator: torch.G
     return _inverse_cdf(residual, uniforms[-1])
 
 
+def sample_with_draft(probs: torch.Tensor, draft: int, q: torch.Tensor, others: list[int],
+                      generator: torch.Generator) -> int:
+    """Draw one token from `probs` [V] given a draft token `draft` sampled from `q` [V] plus point-mass drafts
+    `others` (distinct, not `draft`).
+
+    Accept `draft` with probability min(1, p/q); on rejection the law of the output must be the residual
+    norm(max(0, p - q)), which is drawn by `sample_point_mass` over `others` (so a point-mass draft can still be
+    accepted). The result is distributed exactly as `probs` for any `others` fixed before this call.
+    Raises `ValueError` if q(draft) is 0 (the draft could not have been sampled from q).
+    """
+    p_x, q_x = float(probs[draft]), float(q[draft])
+    if q_x <= 0.0:
+        raise ValueError(f"draft token {draft} has probability 0 under its own q: it was not sampled from q")
+    u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device))
+    if u * q_x < p_x:  # u < p/q
+        return draft
+    residual = (probs.to(torch.float64) - q.to(device=probs.device, dtype=torch.float64)).clamp_min_(0.0)
+    if not residual.sum() > 0:  # p == q up to rounding: rejection had probability 0
+        return draft
+    return sample_point_mass(residual, others, generator)
+
+
 def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
     """Index i with cdf[i-1] <= u * total < cdf[i] for nonnegative `weights` [V] with a positive sum: a draw
     proportional to `weights` when u ~ U[0, 1). (torch.multinomial draws V exponentials: ~6 ms at V = 49k here.)
@@ -74,8 +98,10 @@ def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
     return index
 
 
-def verify_point_mass(tree: DraftTree, probs_at: NodeProbs, generator: torch.Generator) -> Verdict:
-    """Exact speculative sampling over the trie with point-mass drafts (the model-free drafters).
+def verify_point_mass(tree: DraftTree, probs_at: NodeProbs, generator: torch.Generator,
+                      sampled: SampledDrafts | None = None) -> Verdict:
+    """Exact speculative sampling over the trie with point-mass drafts (the model-free drafters), plus at the
+    nodes in `sampled` a child a draft model sampled from q (tried first, with `sample_with_draft`).
 
     At node v (starting at the root) draw a token from p_v = probs_at(v, path tokens) with `sample_point_mass`,
     trying v's children in rank order (lower node index first). If the token is a child's, descend and repeat;
@@ -85,7 +111,13 @@ def verify_point_mass(tree: DraftTree, probs_at: NodeProbs, generator: torch.Gen
     node, path, tokens = 0, [0], []
     while True:
         children = tree.children[node]
-        token = sample_point_mass(probs_at(node, list(tokens)), sorted(children, key=children.get), generator)
+        ranked = sorted(children, key=children.get)
+        probs = probs_at(node, list(tokens))
+        if sampled and node in sampled:
+            draft, q = sampled[node]
+            token = sample_with_draft(probs, draft, q, [c for c in ranked if c != draft], generator)
+        else:
+            token = sample_point_mass(probs, ranked, generator)
         tokens.append(token)
         child = children.get(token)
         if child is None:

@@ -13,23 +13,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_generate  # noqa: E402  (the benchmarks folder is not a package)
 from prompts import Prompt, encode, load_prompts  # noqa: E402
+from tiny_models import word_tokenizer  # noqa: E402
 
 from lookahead import LookaheadConfig  # noqa: E402
 
 METHODS = ["hf_greedy", "hf_prompt_lookup", "lookahead"]
 REPEATS = 2
-
-
-def word_tokenizer(vocab_size: int = 64):
-    """A whitespace word tokenizer over the words w0..w{vocab_size-1} (w0 = unknown) with a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
-    tokenizer.chat_template = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}w3"
-    return tokenizer
 
 
 PROMPTS = [
@@ -150,3 +139,26 @@ def test_parse_overrides_errors(pairs, message):
 def test_suite_rejects_assisted_without_a_draft_model():
     with pytest.raises(ValueError, match="draft model"):
         bench_generate.run_suite(None, None, PROMPTS, ["hf_greedy", "hf_assisted"], 1, 8, LookaheadConfig())
+
+
+def test_suite_runs_the_draft_methods_identically(tiny_model):
+    from lookahead.draft_model import early_exit_draft
+
+    model = tiny_model("llama", dtype=torch.float64, seed=0, layers=3)
+    methods = ["hf_greedy", "hf_assisted", "lookahead_draft"]
+    out = bench_generate.run_suite(model, word_tokenizer(), PROMPTS, methods, 1, 8, LookaheadConfig(),
+                                   draft_model=early_exit_draft(model, 2), progress=False)
+    assert {run["method"] for run in out["runs"]} == set(methods)
+    assert all(run["identical"] for run in out["runs"] if run["method"] != "hf_greedy")
+    assert all(run["stats"] is not None for run in out["runs"] if run["method"] == "lookahead_draft")
+
+
+def test_parse_args_draft_options(capsys):
+    args = bench_generate.parse_args(["--categories", "code", "--prompts-per-category", "1", "--draft-layers", "4"])
+    assert args.methods == ["hf_greedy", "hf_prompt_lookup", "lookahead", "hf_assisted", "lookahead_draft"]
+    for argv, message in [(["--draft-layers", "2", "--draft-model", "x"], "not allowed with"),
+                          (["--methods", "lookahead_draft"], "needs --draft-model PATH or --draft-layers N"),
+                          (["--draft-layers", "0"], "--draft-layers must be at least 1")]:
+        with pytest.raises(SystemExit):
+            bench_generate.parse_args(["--categories", "code", "--prompts-per-category", "1", *argv])
+        assert message in capsys.readouterr().err

@@ -80,6 +80,9 @@ def test_seeded_sampling_matches_mode_off(tiny_folder):
     (["hi", "--sample", "--top-p", "1.5"], None, "top-p must be in (0, 1]"),
     (["hi", "--top-k", "5"], None, "needs --sample"),
     (["hi", "--seed", "-2"], None, "seed"),
+    (["hi", "--draft-model", "x", "--draft-layers", "1"], None, "exclude each other"),
+    (["hi", "--draft-layers", "1", "--mode", "off"], None, "drop --mode off"),
+    (["hi", "--draft-tokens", "0"], None, "draft-tokens"),
 ])
 def test_bad_input_gives_one_line_error(args, stdin, message):
     result = _run(*args, stdin=stdin)
@@ -103,3 +106,24 @@ def test_chat_flag_needs_a_template(tiny_folder, tmp_path):
     (bare / "chat_template.jinja").unlink(missing_ok=True)
     result = _run("hi", "--model", str(bare), "--chat")
     assert result.exit_code != 0 and "chat template" in result.output
+
+
+def test_draft_model_and_draft_layers_keep_the_output(tiny_folder):
+    folder, _, _ = tiny_folder
+    base = ["def fibonacci(n):", "--model", str(folder), "--max-new-tokens", "24", "--stats", "--compare"]
+    for extra in (["--draft-model", str(folder), "--draft-tokens", "3"], ["--draft-layers", "1"]):
+        result = _run(*base, *extra)
+        assert result.exit_code == 0, result.output
+        assert "outputs identical: yes" in result.stderr
+    assert "draft_model=" in _run(*base, "--draft-model", str(folder)).stderr  # a perfect draft is accepted
+
+
+def test_bad_drafts_give_one_line_errors(tiny_folder, tmp_path):
+    folder, _, tokenizer = tiny_folder
+    result = _run("hi", "--model", str(folder), "--draft-layers", "5")
+    assert result.exit_code != 0 and "draft layers must be in [1, 1]" in result.output
+    small = tmp_path / "small-vocab"
+    tiny_model("llama", dtype=torch.float32, vocab=64).save_pretrained(small)
+    tokenizer.save_pretrained(small)
+    result = _run("hi", "--model", str(folder), "--draft-model", str(small))
+    assert result.exit_code != 0 and "vocabulary mismatch" in result.output and "Traceback" not in result.output

@@ -1,4 +1,5 @@
-"""Tiny random decoder-only models built from configs in-process (no downloads), and test prompts."""
+"""Tiny random decoder-only models built from configs in-process (no downloads), test prompts and a word
+tokenizer."""
 
 from __future__ import annotations
 
@@ -53,3 +54,15 @@ def repetitive_prompt(seed: int, vocab: int = 64, length: int = 24) -> torch.Ten
     generator = torch.Generator().manual_seed(seed)
     head = torch.randint(0, vocab, (1, length // 2 + 4), generator=generator)
     return torch.cat([head, head[:, : length // 2 - 4]], dim=1)
+
+
+def word_tokenizer(vocab_size: int = 64):
+    """A whitespace word tokenizer over the words w0..w{vocab_size-1} (w0 = unknown) with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
+    tokenizer.chat_template = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}w3"
+    return tokenizer
