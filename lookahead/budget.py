@@ -169,10 +169,13 @@ class StepPlanner:
         """Return (pruned tree, whether to run the window) for this step."""
         if self.curve is None:
             return tree, self.window_rows > 0
-        ranked = tree.ranked_nodes()
-        probs = self.rates.rates()[tree.source[ranked]] ** tree.depth[ranked]
-        k, use_window = best_row_count(probs, self.window_rows, self.window_value, self.curve)
+        k, use_window = best_row_count(self.node_scores(tree), self.window_rows, self.window_value, self.curve)
         return tree.prune(k), use_window
+
+    def node_scores(self, tree) -> np.ndarray:
+        """Estimated acceptance probability of each non-root node, in `tree.ranked_nodes()` order."""
+        ranked = tree.ranked_nodes()
+        return self.rates.rates()[tree.source[ranked]] ** tree.depth[ranked]
 
     def learn(self, tree, tokens: list[int], used_window: bool, pool_source: int) -> None:
         """Update acceptance rates by walking the UNPRUNED tree along the committed `tokens`.
@@ -195,3 +198,24 @@ class StepPlanner:
         self.rates.update(tested, accepted)
         if used_window:
             self.window_value = 0.9 * self.window_value + 0.1 * float(accepted[pool_source])
+
+
+def plan_batch(planners: list[StepPlanner], trees: list) -> list:
+    """Prune the trees of a batch step (one per sequence, no windows) to one common node count.
+
+    All sequences are padded to the same row count, so one k serves them all: the k maximising expected
+    committed tokens of the batch per unit cost, (B + sum of each tree's top-k scores) / ratio(B * (1 + k)),
+    approximating a forward of B sequences x T rows by one of B*T rows on the measured curve. A wider batch
+    makes rows dearer, so the chosen k shrinks (down to plain decoding). Without a curve the trees are kept.
+    """
+    curve = planners[0].curve
+    if curve is None:
+        return trees
+    scores = [planner.node_scores(tree) for planner, tree in zip(planners, trees)]
+    batch = len(trees)
+    best_value, best_k = batch / curve.ratio(batch), 0
+    for k in range(1, max(len(s) for s in scores) + 1):
+        value = (batch + sum(float(s[:k].sum()) for s in scores)) / curve.ratio(batch * (1 + k))
+        if value > best_value * 1.02:  # prefer the cheaper option unless clearly better
+            best_value, best_k = value, k
+    return [tree.prune(best_k) for tree in trees]

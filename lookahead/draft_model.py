@@ -17,20 +17,22 @@ from transformers.cache_utils import DynamicCache
 # (processed draft scores [V], absolute sequence index of the drafted token) -> (token, q or None).
 # q is the distribution the token was sampled from (sampled mode); None for a deterministic pick.
 DraftPick = Callable[[torch.Tensor, int], tuple[int, "torch.Tensor | None"]]
+# (token ids [n] of the context, raw logits [V] after it) -> processed scores [V]
+Process = Callable[[np.ndarray, torch.Tensor], torch.Tensor]
 
 
 class ModelDrafter:
     """Proposes a chain of up to `length` tokens from `model`, continuing the committed text.
 
     pick: chooses each draft token from the draft's processed scores (argmax, a sample from q, or the seeded
-    Gumbel-max draw); processor: the generation config's logits processors (applied to the draft's logits with
-    the draft's own prefix, so q resembles the target's processed distribution), or None; skip: leading
+    Gumbel-max draw); process: applies the generation config's logits processors to the draft's logits with the
+    draft's own prefix (so q resembles the target's processed distribution), or None; skip: leading
     committed tokens the draft never sees (left padding). After `propose`, `last_probs[i]` is the q that chain
     token i was sampled from (None for deterministic picks).
     """
 
-    def __init__(self, model, length: int, pick: DraftPick, processor=None, skip: int = 0):
-        self.model, self.length, self.pick, self.processor, self.skip = model, length, pick, processor, skip
+    def __init__(self, model, length: int, pick: DraftPick, process: Process | None = None, skip: int = 0):
+        self.model, self.length, self.pick, self.process, self.skip = model, length, pick, process, skip
         self.cache = DynamicCache()
         self.cached = np.zeros(0, dtype=np.int64)  # the tokens whose K/V the draft cache holds, in order
         self.last_probs: list[torch.Tensor | None] = []
@@ -72,11 +74,9 @@ class ModelDrafter:
 
     def _scores(self, text: np.ndarray, chain: list[int], logits: torch.Tensor) -> torch.Tensor:
         """The draft's processed scores [V] (float32) at the node `text + chain`."""
-        scores = logits.float().view(1, -1)
-        if self.processor is not None and len(self.processor):
-            ids = torch.from_numpy(np.concatenate([text, np.asarray(chain, dtype=np.int64)])).view(1, -1)
-            scores = self.processor(ids.to(logits.device), scores.clone())
-        return scores[0]
+        if self.process is None:
+            return logits.float()
+        return self.process(np.concatenate([text, np.asarray(chain, dtype=np.int64)]), logits)
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

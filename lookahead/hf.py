@@ -51,16 +51,21 @@ class Lookahead:
                  lookahead_streamer=None, **model_kwargs):
         """Decoding loop called by `generate`; returns what `generate` would (sequences or a dict output)."""
         _check_generation_config(generation_config, input_ids)
-        check_compactable(model_kwargs.get("past_key_values"))  # before anything runs on this model
+        max_slots = generation_config.max_length + self.config.tree_budget + self.config.window_size
+        check_compactable(model_kwargs.get("past_key_values"), max_slots, input_ids.shape[0])  # before any forward
         if self.draft_model is not None:
             check_draft_model(model, self.draft_model)
         if lookahead_streamer is not None:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"a streamer needs batch size 1 (got {input_ids.shape[0]} prompts); "
+                                 "drop streamer= or generate one prompt at a time")
             lookahead_streamer.put(input_ids.cpu())  # generate only feeds the prompt to its own `streamer=`
         request = DecodeRequest(input_ids=input_ids, prompt_kwargs=model_kwargs, logits_processor=logits_processor,
                                 stopping_criteria=stopping_criteria, max_length=generation_config.max_length,
                                 streamer=lookahead_streamer, shared_drafter=self.shared_drafter,
                                 cost_curve=self._cost_curve(model), do_sample=bool(generation_config.do_sample),
-                                draft_model=self.draft_model)
+                                draft_model=self.draft_model, pad_token_id=_pad_token(generation_config),
+                                pad_finished=any(hasattr(c, "eos_token_id") for c in stopping_criteria))
         decoder = Decoder(model, self.config, request)
         sequences = decoder.run()
         self.last_stats = decoder.stats
@@ -77,6 +82,12 @@ class Lookahead:
         return None
 
 
+def _pad_token(config: GenerationConfig) -> int | None:
+    """The pad token `generate` fills finished rows with (prepared by transformers; may be None)."""
+    pad = getattr(config, "_pad_token_tensor", None)
+    return int(pad) if pad is not None else config.pad_token_id
+
+
 def _check_generation_config(config: GenerationConfig, input_ids: torch.Tensor) -> None:
     """Raise `ValueError` naming any generation option lookahead cannot honour exactly."""
     if (config.num_beams or 1) > 1:
@@ -84,9 +95,6 @@ def _check_generation_config(config: GenerationConfig, input_ids: torch.Tensor) 
                          "use plain model.generate for beam search")
     if (config.num_return_sequences or 1) > 1:
         raise ValueError("num_return_sequences > 1 is not supported by lookahead; call generate once per sample")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"lookahead decodes one sequence at a time for now (got batch size {input_ids.shape[0]}); "
-                         "call generate per prompt or use plain model.generate for batches")
     if config.return_dict_in_generate:
         for name in _UNSUPPORTED_OUTPUTS:
             if getattr(config, name, False):

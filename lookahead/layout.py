@@ -1,8 +1,8 @@
-"""Pack `[tree (root first) | window]` into the inputs of ONE target forward.
+"""Pack `[tree (root first) | window]` of every sequence of the batch into the inputs of ONE target forward.
 
-Rows 0..N-1 are the tree nodes (row 0 = root), rows N..N+M-1 the window cells. Every row sees the visible
-part of the cached prefix; a tree node sees its ancestors and itself; a window cell sees the root and the
-window cells the Jacobi rule allows (see `jacobi.py`); tree and window never see each other.
+Per sequence, rows 0..N-1 are the tree nodes (row 0 = root), rows N..N+M-1 the window cells. Every row sees the
+visible part of its sequence's cached prefix; a tree node sees its ancestors and itself; a window cell sees the
+root and the window cells the Jacobi rule allows (see `jacobi.py`); tree and window never see each other.
 """
 
 from __future__ import annotations
@@ -17,58 +17,93 @@ from .tree import DraftTree
 
 
 @dataclass(frozen=True)
-class StepInputs:
-    """Model inputs for one verification forward, batch size 1.
+class RowDrafts:
+    """What one sequence of the batch verifies this step: its tree, its window (or None), the root's position id
+    and the cached slots it must not see (`hidden`: [prefix_len] bool, or None when all are visible)."""
 
-    input_ids:      [1, T] int64
-    position_ids:   [1, T] int64 (tree nodes: root position + depth; window: root position + offset)
-    attention_mask: [1, 1, T, prefix_len + T] additive float (0 = attend, dtype min = blocked)
-    n_tree:         N, the first N rows are the tree
+    tree: DraftTree
+    window: JacobiWindow | None
+    root_position: int
+    hidden: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Model inputs for one verification forward of B sequences, each padded to T rows.
+
+    input_ids:      [B, T] int64
+    position_ids:   [B, T] int64 (tree nodes: root position + depth; window: root position + offset)
+    attention_mask: [B, 1, T, prefix_len + T] additive float (0 = attend, dtype min = blocked), or None
+    n_tree:         per sequence N_b: its first N_b rows are its tree (then its window, then padding)
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    n_tree: int
+    attention_mask: torch.Tensor | None
+    n_tree: tuple[int, ...]
 
 
 def pack(tree: DraftTree, window: JacobiWindow | None, root_position: int, prefix_len: int,
          prefix_hidden: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> StepInputs:
-    """Build the inputs of one step.
+    """Build the inputs of one step of one sequence (see `pack_batch`).
 
     root_position: the root's position id; prefix_len: cached slots; prefix_hidden: [prefix_len] bool, cached
-    slots no row may attend to (padding), or None when all are visible. Returns a `StepInputs`; its
-    attention_mask is None for a single row with nothing hidden (the model's fastest path).
+    slots no row may attend to (padding), or None when all are visible. Its attention_mask is None for a single
+    row with nothing hidden (the model's fastest path).
     """
-    tree_mask = tree.ancestor_mask()  # [N, N]
-    ids, offsets = tree.tokens, tree.depth
-    if window is not None:
-        n, m = tree.size, window.size
-        block = np.zeros((n + m, n + m), dtype=bool)
-        block[:n, :n] = tree_mask
-        block[n:, 0] = True  # window cells see the root
-        block[n:, n:] = window.mask
-        tree_mask = block
-        ids = np.concatenate([ids, window.flat_tokens()])
-        offsets = np.concatenate([offsets, window.offsets])
-    t = ids.shape[0]
+    return pack_batch([RowDrafts(tree, window, root_position, prefix_hidden)], prefix_len, dtype, device)
+
+
+def pack_batch(rows: list[RowDrafts], prefix_len: int, dtype: torch.dtype, device: torch.device) -> StepInputs:
+    """Build the inputs of one step of a batch that shares `prefix_len` cached slots.
+
+    Sequence b gets T_b rows; all are padded to T = max T_b with filler rows that see only themselves (their
+    outputs and cache slots are discarded). The mask is None only for one row per sequence with nothing hidden.
+    """
+    parts = [_row_parts(row) for row in rows]
+    t = max(len(ids) for ids, _, _ in parts)
+    ids = np.zeros((len(rows), t), dtype=np.int64)
+    positions = np.zeros((len(rows), t), dtype=np.int64)
+    for b, (row_ids, row_positions, _) in enumerate(parts):
+        ids[b, : len(row_ids)], ids[b, len(row_ids):] = row_ids, row_ids[0]
+        positions[b, : len(row_ids)], positions[b, len(row_ids):] = row_positions, row_positions[0]
+    nothing_masked = t == 1 and all(row.hidden is None for row in rows)
     return StepInputs(
-        input_ids=torch.from_numpy(ids).to(device).view(1, t),
-        position_ids=(torch.from_numpy(offsets) + root_position).to(device).view(1, t),
-        attention_mask=_additive_mask(tree_mask, prefix_len, prefix_hidden, dtype, device),
-        n_tree=tree.size,
+        input_ids=torch.from_numpy(ids).to(device),
+        position_ids=torch.from_numpy(positions).to(device),
+        attention_mask=None if nothing_masked else _additive_mask(parts, rows, prefix_len, t, dtype, device),
+        n_tree=tuple(row.tree.size for row in rows),
     )
 
 
-def _additive_mask(block: np.ndarray, prefix_len: int, prefix_hidden: torch.Tensor | None,
-                   dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """[1, 1, T, prefix_len + T] additive mask from the [T, T] bool block (None if nothing is masked)."""
-    t = block.shape[0]
-    if t == 1 and prefix_hidden is None:
-        return None
-    blocked = torch.finfo(dtype).min
-    mask = torch.zeros((t, prefix_len + t), dtype=dtype)
-    mask[:, prefix_len:].masked_fill_(torch.from_numpy(~block), blocked)
-    if prefix_hidden is not None:
-        mask[:, :prefix_len].masked_fill_(prefix_hidden, blocked)
-    return mask.to(device).view(1, 1, t, prefix_len + t)
+def _row_parts(row: RowDrafts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids [T_b], position ids [T_b], visibility block [T_b, T_b] bool) of one sequence's tree + window."""
+    tree, window = row.tree, row.window
+    block = tree.ancestor_mask()  # [N, N]
+    ids, offsets = tree.tokens, tree.depth
+    if window is not None:
+        n, m = tree.size, window.size
+        full = np.zeros((n + m, n + m), dtype=bool)
+        full[:n, :n] = block
+        full[n:, 0] = True  # window cells see the root
+        full[n:, n:] = window.mask
+        block = full
+        ids = np.concatenate([ids, window.flat_tokens()])
+        offsets = np.concatenate([offsets, window.offsets])
+    return ids, offsets + row.root_position, block
+
+
+def _additive_mask(parts, rows: list[RowDrafts], prefix_len: int, t: int, dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """[B, 1, T, prefix_len + T] additive mask: each sequence's visible prefix and block; filler rows see only
+    themselves."""
+    allowed = np.zeros((len(rows), t, prefix_len + t), dtype=bool)
+    for b, ((row_ids, _, block), row) in enumerate(zip(parts, rows)):
+        n = len(row_ids)
+        allowed[b, :n, :prefix_len] = True if row.hidden is None else ~row.hidden.numpy()
+        allowed[b, :n, prefix_len: prefix_len + n] = block
+        filler = np.arange(n, t)
+        allowed[b, filler, prefix_len + filler] = True
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(torch.from_numpy(~allowed), torch.finfo(dtype).min)
+    return mask.to(device).unsqueeze(1)

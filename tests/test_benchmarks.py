@@ -162,3 +162,37 @@ def test_parse_args_draft_options(capsys):
         with pytest.raises(SystemExit):
             bench_generate.parse_args(["--categories", "code", "--prompts-per-category", "1", *argv])
         assert message in capsys.readouterr().err
+
+
+def test_batch_benchmark_runs_and_checks_identity(tiny_model):
+    import bench_batch
+
+    model = tiny_model("llama", dtype=torch.float64, seed=0)
+    model.generation_config.eos_token_id = 7
+    tokenizer = word_tokenizer()
+    prompts = PROMPTS * 2
+    out = bench_batch.run_batches(model, tokenizer, prompts, [1, 2, 4], 1, 6, LookaheadConfig(), progress=False)
+    assert {r["batch_size"] for r in out["runs"]} == {1, 2, 4} and len(out["runs"]) == 2 * (4 + 2 + 1)
+    assert all(r["identical"] for r in out["runs"])
+    assert set(out["summary"]) == {"1", "2", "4"} and out["summary"]["4"]["lookahead"]["identical"] == 1
+    table = bench_batch.format_table({"command": "python x", **out})
+    assert table.count("\n| ") == 4
+
+
+def test_batch_benchmark_counts_tokens_up_to_eos():
+    import bench_batch
+
+    output = torch.tensor([[1, 1, 5, 7, 0, 0], [1, 1, 5, 5, 5, 5]])
+    assert bench_batch.generated_tokens(output, 2, {7}) == 2 + 4
+    ids, mask = bench_batch.left_pad([torch.tensor([3, 4]), torch.tensor([5])], pad=0)
+    assert ids.tolist() == [[3, 4], [0, 5]] and mask.tolist() == [[1, 1], [0, 1]]
+
+
+def test_batch_benchmark_argument_errors(capsys):
+    import bench_batch
+
+    for argv, message in [(["--batch-sizes", "0"], "at least 1"),
+                          (["--categories", "code", "--prompts-per-category", "1"], "largest batch needs 8")]:
+        with pytest.raises(SystemExit):
+            bench_batch.parse_args(argv)
+        assert message in capsys.readouterr().err

@@ -166,17 +166,20 @@ SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
 
 
 def test_check_compactable_accepts_dynamic_caches():
-    check_compactable(DynamicCache())
-    check_compactable(DynamicCache(config=LlamaConfig(**SMALL)))
-    check_compactable(DynamicCache(config=Qwen2Config(**SMALL)))
+    check_compactable(DynamicCache(), 10_000, batch_size=4)
+    check_compactable(DynamicCache(config=LlamaConfig(**SMALL)), 10_000)
+    check_compactable(DynamicCache(config=Qwen2Config(**SMALL)), 10_000)
+    check_compactable(DynamicCache(config=MistralConfig(**SMALL, sliding_window=8)), 7)  # fits the window
 
 
-@pytest.mark.parametrize("make", [
-    lambda: StaticCache(config=LlamaConfig(**SMALL), max_cache_len=32),
-    lambda: DynamicCache(config=MistralConfig(**SMALL, sliding_window=8)),
-    lambda: DynamicCache(config=Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
-    lambda: ((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)),),  # legacy tuple cache
-], ids=["static", "mistral-sliding", "qwen2-mixed-sliding", "legacy-tuple"])  # fmt: skip
-def test_check_compactable_refuses(make):
-    with pytest.raises(ValueError):
-        check_compactable(make())
+@pytest.mark.parametrize("make, slots, batch, message", [
+    (lambda: StaticCache(config=LlamaConfig(**SMALL), max_cache_len=32), 8, 1, "DynamicCache"),
+    (lambda: DynamicCache(config=MistralConfig(**SMALL, sliding_window=8)), 8, 1, "window 8"),
+    (lambda: DynamicCache(config=MistralConfig(**SMALL, sliding_window=8)), 4, 2, "batch size 1"),
+    (lambda: DynamicCache(config=Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8,
+                                             max_window_layers=1)), 8, 1, "window 8"),
+    (lambda: ((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)),), 8, 1, "DynamicCache"),  # legacy tuple cache
+], ids=["static", "mistral-sliding", "sliding-batch", "qwen2-mixed-sliding", "legacy-tuple"])  # fmt: skip
+def test_check_compactable_refuses(make, slots, batch, message):
+    with pytest.raises(ValueError, match=message):
+        check_compactable(make(), slots, batch)

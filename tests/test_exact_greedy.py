@@ -132,8 +132,27 @@ def test_more_architectures_identical(family):
     assert stats.mean_tokens_per_step > 1
 
 
-@pytest.mark.parametrize("family, overrides", [("mistral", {"sliding_window": 16}), ("gemma3", {})])
-def test_sliding_window_models_are_refused_clearly(family, overrides):
+SLIDING = [("mistral", {"sliding_window": 128}), ("gemma3", {"sliding_window": 128}),
+           ("qwen2", {"use_sliding_window": True, "sliding_window": 128, "max_window_layers": 1})]
+
+
+@pytest.mark.parametrize("family, overrides", SLIDING, ids=["mistral", "gemma3", "qwen2-mixed"])
+def test_sliding_window_models_identical_while_the_generation_fits_the_window(family, overrides):
+    """Sliding-window layers (Mistral; Gemma3 and Qwen2 mix them with full layers) equal full attention while
+    nothing slides out, so lookahead runs them exactly there."""
     model = tiny_model(family, dtype=torch.float64, seed=2, **overrides)
-    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer"):
-        model.generate(repetitive_prompt(0), max_new_tokens=5, custom_generate=Lookahead())
+    for seed in range(3):
+        plain, fast, stats = _both(model, repetitive_prompt(seed), LookaheadConfig(adaptive=False),
+                                   max_new_tokens=40)
+        assert torch.equal(plain, fast)
+    assert stats.mean_tokens_per_step > 1
+
+
+@pytest.mark.parametrize("family, overrides", SLIDING, ids=["mistral", "gemma3", "qwen2-mixed"])
+def test_sliding_window_beyond_the_window_is_refused_clearly(family, overrides):
+    model = tiny_model(family, dtype=torch.float64, seed=2, **overrides)
+    with pytest.raises(ValueError, match=r"sliding-window attention \(window 128\).*may need 1\d\d cache slots"):
+        model.generate(repetitive_prompt(0), max_new_tokens=100, custom_generate=Lookahead())
+    batch = torch.cat([repetitive_prompt(0), repetitive_prompt(1)])
+    with pytest.raises(ValueError, match="sliding-window attention only with batch size 1"):
+        model.generate(batch, max_new_tokens=5, custom_generate=Lookahead())

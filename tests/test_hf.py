@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import build_tiny_model as tiny_model, repetitive_prompt
-from transformers import AutoTokenizer, LlamaConfig, LlamaModel
+from transformers import (AutoTokenizer, GenerationConfig, LlamaConfig, LlamaModel, LogitsProcessor, LogitsProcessorList,
+                          StoppingCriteria, StoppingCriteriaList)
 from transformers.generation.streamers import BaseStreamer
 
 import lookahead
@@ -110,10 +111,10 @@ def test_unsupported_options_are_refused(model, kwargs, match):
         model.generate(repetitive_prompt(0), max_new_tokens=5, custom_generate=Lookahead(), **kwargs)
 
 
-def test_batch_larger_than_one_is_refused(model):
+def test_streamer_with_a_batch_is_refused(model):
     batch = torch.cat([repetitive_prompt(0), repetitive_prompt(1)])
-    with pytest.raises(ValueError, match="batch size 2"):
-        model.generate(batch, max_new_tokens=5, custom_generate=Lookahead())
+    with pytest.raises(ValueError, match="streamer needs batch size 1"):
+        model.generate(batch, max_new_tokens=5, custom_generate=Lookahead(), lookahead_streamer=object())
 
 
 def test_patched_refuses_assistant_model_and_custom_generate(model):
@@ -198,3 +199,63 @@ def test_generation_config_object_and_model_defaults(model):
         if "_lookahead_patch" in model.__dict__:
             lookahead.unpatch(model)
         model.generation_config.max_new_tokens = None
+
+
+class BanToken(LogitsProcessor):
+    """Caller-supplied processor: token 5 never appears."""
+
+    def __call__(self, input_ids, scores):
+        scores[:, 5] = -float("inf")
+        return scores
+
+
+class StopAtLength(StoppingCriteria):
+    """Caller-supplied criterion: stop at 37 tokens (has no eos_token_id)."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 37, dtype=torch.bool)
+
+
+def _left_padded():
+    prompts = [repetitive_prompt(3, length=24)[0], repetitive_prompt(4, length=17)[0]]
+    ids = torch.zeros(2, 24, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, 24 - len(p):], mask[b, 24 - len(p):] = p, 1
+    return ids, mask
+
+
+COVERAGE = {
+    "max_new_tokens": dict(max_new_tokens=20),
+    "max_length": dict(max_length=40),
+    "min_new_tokens_eos": dict(max_new_tokens=20, min_new_tokens=12, eos_token_id=9, pad_token_id=0),
+    "min_length": dict(max_new_tokens=20, min_length=35, eos_token_id=[9, 11], pad_token_id=0),
+    "eos_list": dict(max_new_tokens=30, eos_token_id=[9, 11, 17], pad_token_id=0),
+    "logits_processor": dict(max_new_tokens=20, logits_processor=LogitsProcessorList([BanToken()])),
+    "stopping_criteria": dict(max_new_tokens=30, stopping_criteria=StoppingCriteriaList([StopAtLength()])),
+    "generation_config": dict(generation_config=GenerationConfig(max_new_tokens=15, repetition_penalty=1.3,
+                                                                  no_repeat_ngram_size=2, do_sample=False)),
+    "return_dict": dict(max_new_tokens=12, return_dict_in_generate=True),
+    "attention_mask": dict(max_new_tokens=16, attention_mask=torch.ones(1, 24, dtype=torch.long)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["single", "left_padded_batch"])
+@pytest.mark.parametrize("case", list(COVERAGE))
+def test_patched_equals_unpatched_full_output(model, case, batch):
+    """The same generate call, unpatched then patched: the full output is equal (sequences, or the dict's)."""
+    kwargs = dict(COVERAGE[case])
+    if batch:
+        ids, mask = _left_padded()
+        kwargs.update(attention_mask=mask, pad_token_id=kwargs.get("pad_token_id", 0))
+    else:
+        ids = repetitive_prompt(3, length=24)
+    plain = model.generate(ids, **kwargs)
+    lookahead.patch(model, adaptive=False)
+    try:
+        patched = model.generate(ids, **kwargs)
+    finally:
+        lookahead.unpatch(model)
+    if kwargs.get("return_dict_in_generate"):
+        plain, patched = plain.sequences, patched.sequences
+    assert torch.equal(plain, patched)

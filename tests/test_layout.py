@@ -59,7 +59,7 @@ def test_literal_tree_and_window():
     tree, window = literal_tree(), literal_window()
     inputs = pack(tree, window, root_position=20, prefix_len=4, prefix_hidden=None, dtype=torch.float32,
                   device=CPU)
-    assert inputs.n_tree == 6
+    assert inputs.n_tree == (6,)
     assert inputs.input_ids.tolist() == [[9, 1, 2, 3, 4, 5, 31, 32, 33, 34, 35, 36]]
     assert inputs.input_ids.dtype == torch.int64
     # tree: 20 + depth; window: 20 + 1 + column + level
@@ -135,7 +135,7 @@ def test_single_row_without_hidden_slots_has_no_mask():
     assert inputs.attention_mask is None
     assert inputs.input_ids.tolist() == [[7]]
     assert inputs.position_ids.tolist() == [[12]]
-    assert inputs.n_tree == 1
+    assert inputs.n_tree == (1,)
 
 
 def test_single_row_with_hidden_slots_keeps_the_mask():

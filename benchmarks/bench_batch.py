@@ -1,0 +1,165 @@
+"""Batch throughput: plain batched HF greedy vs batched lookahead at several batch sizes, same prompts.
+
+    python benchmarks/bench_batch.py [--model PATH] [--categories code rag ...] [--prompts-per-category 2]
+        [--batch-sizes 1 2 4 8] [--max-new-tokens 64] [--repeats 1] [--threads 2] [--config KEY=VALUE ...]
+        [--out benchmarks/results/NAME.json]
+
+Every batch size decodes the same prompts (the first `max(batch sizes)` of the selection, left-padded in groups
+of the batch size), so throughputs compare directly. Within a repetition each group runs both methods back to
+back in an order rotated from group to group. Throughput counts generated tokens up to each row's EOS (the pad
+fill after it is not counted). Every lookahead output is compared with plain batched greedy, row by row.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench_generate import (RESULTS_DIR, command_line, common_parser, finish_args, machine_info, rotated,
+                            write_json)
+from prompts import encode
+
+METHODS = ("hf_greedy", "lookahead")
+
+
+def left_pad(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L] left-padded ids and attention mask from 1-D id tensors."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):], mask[b, width - len(row):] = row, 1
+    return ids, mask
+
+
+def generated_tokens(output: torch.Tensor, prompt_width: int, eos: set[int]) -> int:
+    """Tokens generated over all rows of `output` [B, L + new], each row counted up to its first EOS."""
+    total = 0
+    for row in output[:, prompt_width:].tolist():
+        ends = [i for i, token in enumerate(row) if token in eos]
+        total += ends[0] + 1 if ends else len(row)
+    return total
+
+
+def run_batches(model, tokenizer, prompts, batch_sizes: list[int], repeats: int, max_new_tokens: int,
+                config, progress: bool = True) -> dict:
+    """Run both methods on every group of every batch size, `repeats` times; returns runs and a summary."""
+    from lookahead import Lookahead
+
+    encoded = [encode(tokenizer, p)[0] for p in prompts[: max(batch_sizes)]]
+    eos = set(_as_list(model.generation_config.eos_token_id))
+    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, *sorted(eos)) if t is not None), 0)
+    groups = [(size, encoded[i: i + size]) for size in batch_sizes for i in range(0, len(encoded), size)]
+    decoder, runs = Lookahead(config), []
+    from tqdm import tqdm
+
+    bar = tqdm(total=repeats * len(groups) * len(METHODS) + 2, disable=not progress, file=sys.stderr, unit="run")
+    for method in METHODS:  # warm-up
+        _generate(model, *left_pad(encoded[:2], pad), method, decoder, max_new_tokens, pad)
+        bar.update()
+    for repeat in range(repeats):
+        for index, (size, rows) in enumerate(groups):
+            ids, mask = left_pad(rows, pad)
+            outputs = {}
+            for method in rotated(list(METHODS), repeat + index):
+                bar.set_postfix_str(f"batch {size} {method}")
+                start = time.perf_counter()
+                outputs[method] = _generate(model, ids, mask, method, decoder, max_new_tokens, pad)
+                runs.append({"batch_size": size, "repeat": repeat, "group": index, "method": method,
+                             "seconds": time.perf_counter() - start,
+                             "tokens": generated_tokens(outputs[method], ids.shape[1], eos),
+                             "tokens_per_step": decoder.last_stats.mean_tokens_per_step
+                             if method == "lookahead" else 1.0})
+                bar.update()
+            runs[-1]["identical"] = runs[-2]["identical"] = bool(torch.equal(*outputs.values()))
+    bar.close()
+    return {"settings": {"batch_sizes": batch_sizes, "repeats": repeats, "max_new_tokens": max_new_tokens,
+                         "prompts": [p.id for p in prompts[: max(batch_sizes)]],
+                         "lookahead_config": config.as_dict()},
+            "runs": runs, "summary": summarize(runs, batch_sizes)}
+
+
+def _generate(model, ids, mask, method: str, decoder, max_new_tokens: int, pad: int) -> torch.Tensor:
+    """One batched greedy generate with `method`."""
+    extra = {"custom_generate": decoder} if method == "lookahead" else {}
+    return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                          pad_token_id=pad, **extra)
+
+
+def _as_list(value) -> list[int]:
+    """An int, a list or None as a list."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def summarize(runs: list[dict], batch_sizes: list[int]) -> dict:
+    """Per batch size and method: tokens/s (total tokens / total seconds), tokens per step (lookahead), and
+    the identical-output rate; plus lookahead's speedup over plain batched greedy."""
+    out = {}
+    for size in batch_sizes:
+        entry = {}
+        for method in METHODS:
+            mine = [r for r in runs if r["batch_size"] == size and r["method"] == method]
+            seconds = sum(r["seconds"] for r in mine)
+            entry[method] = {"tokens_per_second": sum(r["tokens"] for r in mine) / seconds if seconds else 0.0,
+                             "tokens_per_step": sum(r["tokens_per_step"] for r in mine) / max(len(mine), 1),
+                             "identical": sum(bool(r.get("identical")) for r in mine), "runs": len(mine)}
+        base = entry["hf_greedy"]["tokens_per_second"]
+        entry["speedup"] = entry["lookahead"]["tokens_per_second"] / base if base else 0.0
+        out[str(size)] = entry
+    return out
+
+
+def format_table(result: dict) -> str:
+    """Markdown table: one row per batch size."""
+    lines = [f"Command: `{result['command']}`", "",
+             "| batch | HF greedy tok/s | lookahead tok/s | speedup | tokens/step per row | identical |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for size, entry in result["summary"].items():
+        ours = entry["lookahead"]
+        lines.append(f"| {size} | {entry['hf_greedy']['tokens_per_second']:.1f} | {ours['tokens_per_second']:.1f} | "
+                     f"{entry['speedup']:.2f}x | {ours['tokens_per_step']:.2f} | {ours['identical']}/{ours['runs']} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None):
+    """Command-line options (see the module docstring)."""
+    parser = common_parser(__doc__.splitlines()[0], prompts_per_category=2, repeats=1)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                        help="LookaheadConfig override (repeatable)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/<time>.json)")
+    parser.set_defaults(max_new_tokens=64)
+    args = finish_args(parser, parser.parse_args(argv), ("prompts_per_category", "max_new_tokens", "repeats",
+                                                          "threads"))
+    if any(size < 1 for size in args.batch_sizes):
+        parser.error(f"--batch-sizes must be at least 1, got {args.batch_sizes}")
+    if len(args.prompts) < max(args.batch_sizes):
+        parser.error(f"the largest batch needs {max(args.batch_sizes)} prompts but the selection has "
+                     f"{len(args.prompts)}; raise --prompts-per-category or add --categories")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run from the command line; print the table and write the JSON."""
+    args = parse_args(argv)
+    from lookahead import load_model
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    result = run_batches(model, tokenizer, args.prompts, args.batch_sizes, args.repeats, args.max_new_tokens,
+                         args.lookahead_config)
+    result = {"command": command_line(), "model": args.model or "SmolLM2-135M-Instruct (embedded default)",
+              "machine": machine_info(args.threads), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              **result}
+    out = args.out or RESULTS_DIR / f"batch-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+    write_json(result, out)
+    print(format_table(result))
+    print(f"results: {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

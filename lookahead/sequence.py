@@ -1,0 +1,147 @@
+"""`Sequence`: one row of a generation — its committed text, drafters, window, acceptance statistics, token
+rule, stop checks and the cache slots it may attend to."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .budget import StepPlanner
+from .config import LookaheadConfig
+from .draft_model import ModelDrafter
+from .drafters import POOL, SOURCE_DRAFTER, Drafters
+from .jacobi import JacobiWindow
+from .layout import RowDrafts
+from .rules import make_rule
+from .tree import DraftTree
+from .verify import Verdict
+
+
+class Sequence:
+    """One sequence being generated (a row of the batch).
+
+    index: its row in the request's batch; prompt: [L] int64 (left padding included); hidden: [L] bool prompt slots it must not attend to (None = all
+    visible); root_position: the position id of the token after the prompt; request: the `DecodeRequest`;
+    use_window: whether this sequence runs a Jacobi window (single-sequence generations only).
+    """
+
+    def __init__(self, index: int, prompt: np.ndarray, hidden: torch.Tensor | None, root_position: int,
+                 config: LookaheadConfig, request, vocab_size: int, use_window: bool):
+        self.index, self.config, self.request = index, config, request
+        self.ids = np.zeros(request.max_length + config.max_draft_len + 1, dtype=np.int64)  # committed text
+        self.ids[: len(prompt)] = prompt
+        self.length, self.prompt_length = len(prompt), len(prompt)
+        self.hidden, self.root_position = hidden, root_position
+        self.stop_length: int | None = None  # length when the stopping criteria first fired
+        self.rule = make_rule(request.do_sample, config.seed)
+        self.drafters = Drafters(config, vocab_size, prompt, request.shared_drafter, self._model_drafter())
+        self.window = JacobiWindow(config.window_levels, config.window_columns, config.seed or 0) \
+            if use_window and config.window_size else None
+        if self.window is not None:
+            self.window.reset(prompt)
+        self.planner = StepPlanner(request.cost_curve, len(SOURCE_DRAFTER),
+                                   config.window_size if self.window is not None else 0)
+        self._candidates: DraftTree | None = None
+
+    def _model_drafter(self) -> ModelDrafter | None:
+        """The draft model's drafter (None without a draft model); it skips the prompt's left padding."""
+        if self.request.draft_model is None:
+            return None
+        skip = int(self.hidden.long().cumprod(0).sum()) if self.hidden is not None else 0
+        process = self.process if self.has_processors else None
+        return ModelDrafter(self.request.draft_model, self.config.draft_tokens, self.rule.propose, process, skip)
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether the generation config adds logits processors or warpers."""
+        return len(self.request.logits_processor) > 0
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens generated so far."""
+        return self.length - self.prompt_length
+
+    def candidates(self) -> DraftTree:
+        """Every drafter's candidates for this step, merged into one unpruned tree (kept for `learn`)."""
+        root = int(self.ids[self.length - 1])
+        self._candidates = self.drafters.draft(root, max_len=self.request.max_length - self.length - 1)
+        return self._candidates
+
+    def row_drafts(self, tree: DraftTree, use_window: bool) -> RowDrafts:
+        """What this sequence verifies this step (`tree` is its planned, pruned tree)."""
+        return RowDrafts(tree, self.window if use_window else None, self.root_position, self.hidden)
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        """The token chosen by the rule from the prefill's last logits [V]."""
+        scores = self.score([], logits) if self.has_processors else logits
+        return self.rule.first(scores, self.length)
+
+    def verify(self, tree: DraftTree, logits: torch.Tensor) -> Verdict:
+        """Walk `tree` with the rule against its rows' raw logits [N, V]."""
+        return self.rule.walk(tree, logits, self._node_scorer(), root_index=self.length - 1,
+                              sampled=self.drafters.sampled_drafts(tree))
+
+    def commit(self, tokens: list[int], limit: int, cut_at_stop: bool) -> list[int]:
+        """Append `tokens` one by one up to length `limit`; returns the committed ones.
+
+        The first time the stopping criteria fire, `stop_length` records the length (as plain decoding would
+        stop this row there); with `cut_at_stop` nothing after that token is committed.
+        """
+        for i, token in enumerate(tokens):
+            self.ids[self.length] = token
+            self.length += 1
+            if self.stop_length is None and self._criteria_fire():
+                self.stop_length = self.length
+                if cut_at_stop:
+                    return tokens[: i + 1]
+            if self.length >= limit:
+                return tokens[: i + 1]
+        return tokens
+
+    def advance(self, tokens: list[int], used_window: bool, window_logits: torch.Tensor | None,
+                prefix_len: int, slots: int) -> None:
+        """After a step committed `tokens` into `slots` new cache slots after `prefix_len` (the slots beyond
+        `len(tokens)` are holes): learn acceptance, move the root, iterate the window (if it ran) and feed the
+        drafters."""
+        if self._candidates is not None:
+            self.planner.learn(self._candidates, tokens, used_window, POOL)
+        self.root_position += len(tokens)
+        holes = slots - len(tokens)
+        if self.hidden is not None or holes:
+            seen = self.hidden if self.hidden is not None else torch.zeros(prefix_len, dtype=torch.bool)
+            self.hidden = torch.cat([seen, torch.zeros(len(tokens), dtype=torch.bool),
+                                     torch.ones(holes, dtype=torch.bool)])
+        if window_logits is not None:
+            outputs = window_logits.argmax(dim=-1).cpu().numpy()
+            self.drafters.harvest(self.window.advance(outputs, len(tokens), self.ids[: self.length]))
+        self.drafters.observe(self.ids[: self.length])
+
+    def accepted_sources(self, tree: DraftTree, verdict: Verdict, n_tokens: int) -> list[str]:
+        """The drafter of each accepted draft token among the first `n_tokens` committed."""
+        return [SOURCE_DRAFTER[tree.source[n]] for n in verdict.path[1:n_tokens]]
+
+    def _criteria_fire(self) -> bool:
+        """Whether HF's stopping criteria fire on the committed text."""
+        return bool(self.request.stopping_criteria(self._batch_view(self.ids[: self.length]), None)[self.index])
+
+    def _node_scorer(self):
+        """The per-node scorer for the rule's walk (None when raw logits are final)."""
+        if self.has_processors:
+            return self.score
+        return None if not self.request.do_sample else (lambda path, row: row.float())
+
+    def score(self, path: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Processed scores [V] of a node whose context is the committed text plus `path`."""
+        return self.process(np.concatenate([self.ids[: self.length], np.asarray(path, dtype=np.int64)]), logits)
+
+    def process(self, text: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
+        """The generation config's processors applied to `logits` [V] after the token ids `text` [n]."""
+        ids = self._batch_view(text)
+        scores = logits.float().view(1, -1).expand(ids.shape[0], -1).clone()
+        return self.request.logits_processor(ids.to(logits.device), scores)[self.index]
+
+    def _batch_view(self, ids: np.ndarray) -> torch.Tensor:
+        """[B, n] ids for HF processors and criteria, which may keep per-row state (e.g. the repetition
+        penalty's prompt padding lengths): this sequence's text at its batch index, copies elsewhere."""
+        row = torch.from_numpy(ids).to(self.request.input_ids.device).view(1, -1)
+        return row.expand(self.request.input_ids.shape[0], -1)
