@@ -138,7 +138,8 @@ def best_row_count(scores: np.ndarray, window_rows: int, window_value: float, cu
     """Choose how many tree nodes to keep and whether to run the window this step.
 
     scores: [n] estimated acceptance probabilities of the candidate nodes in the tree's pruning order (its
-    first k nodes always form a valid tree). window_value: expected extra tokens per step the window brings. Maximises (1 + sum(top-k scores) + window value) / ratio(1 + k + window rows).
+    first k nodes always form a valid tree). window_value: expected extra tokens per step the window brings.
+    Maximises (1 + sum(top-k scores) + window value) / ratio(1 + k + window rows).
     Returns (k, use_window); (0, False) means a plain single-row step.
     """
     gain = np.concatenate([[1.0], 1.0 + np.cumsum(scores)])  # [n+1] expected tokens with k = 0..n

@@ -63,8 +63,8 @@ def keep_rows_batched(cache: Cache, prefix_len: int, rows: list[list[int]]) -> i
     gets K - len(rows[b]) hole slots after them, which the caller must hide from attention. Returns K.
     """
     width = max(len(r) for r in rows)
-    if all(r == list(range(width)) for r in rows):
-        keep_rows(cache, prefix_len, rows[0])
+    if all(r == list(range(len(r))) for r in rows):  # every row's kept rows are already in place: crop
+        keep_rows(cache, prefix_len, list(range(width)))
         return width
     index = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)  # [B, K]
     for layer in cache.layers:

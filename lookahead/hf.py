@@ -32,10 +32,11 @@ class Lookahead:
 
     `model.generate(**inputs, custom_generate=Lookahead(window_levels=2, ...))` returns exactly what
     `model.generate(**inputs)` returns for greedy decoding, faster; with `do_sample=True` it samples exactly
-    from the same distribution (with `seed=...`: the same tokens as `LookaheadConfig.off()` with that seed). Keyword arguments override fields of
-    `config` (a `LookaheadConfig`); `shared_drafter` adds a cross-request drafter (`drafters.SharedDrafter`);
-    `draft_model` adds a small causal LM with the target's vocabulary that drafts a chain of
-    `config.draft_tokens` tokens each step (exact too: sampled chains are accepted with min(1, p/q)).
+    from the same distribution (with `seed=...`: the same tokens as `LookaheadConfig.off()` with that seed).
+    Keyword arguments override fields of `config` (a `LookaheadConfig`); `shared_drafter` adds a cross-request
+    drafter (`drafters.SharedDrafter`); `draft_model` adds a small causal LM with the target's vocabulary that
+    drafts a chain of `config.draft_tokens` tokens each step (exact too: sampled chains are accepted with
+    min(1, p/q)). Batches of left-padded prompts are decoded row by row exactly as plain batched `generate`.
     After each call `last_stats` holds a `DecodeStats`. A streamer is passed as `lookahead_streamer=` (HF does
     not forward `streamer=` to a callable; `lookahead.patch` reroutes it automatically).
     """

@@ -20,9 +20,10 @@ from .verify import Verdict
 class Sequence:
     """One sequence being generated (a row of the batch).
 
-    index: its row in the request's batch; prompt: [L] int64 (left padding included); hidden: [L] bool prompt slots it must not attend to (None = all
-    visible); root_position: the position id of the token after the prompt; request: the `DecodeRequest`;
-    use_window: whether this sequence runs a Jacobi window (single-sequence generations only).
+    index: its row in the request's batch; prompt: [L] int64 (left padding included); hidden: [L] bool
+    prompt slots it must not attend to (None = all visible); root_position: the position id of the token
+    after the prompt; request: the `DecodeRequest`; use_window: whether this sequence runs a Jacobi window
+    (single-sequence generations only).
     """
 
     def __init__(self, index: int, prompt: np.ndarray, hidden: torch.Tensor | None, root_position: int,

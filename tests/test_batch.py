@@ -145,6 +145,13 @@ def test_keep_rows_batched_keeps_each_sequences_rows_and_pads_with_holes():
     assert torch.equal(cache.layers[0].values, -cache.layers[0].keys)
 
 
+def test_keep_rows_batched_crops_when_every_sequence_keeps_a_prefix_of_its_rows():
+    cache = _cache(2, 4 + 5)
+    assert keep_rows_batched(cache, 4, [[0, 1], [0, 1, 2]]) == 3
+    keys = cache.layers[0].keys[:, 0, :, 0]
+    assert keys.tolist() == [[0, 1, 2, 3, 4, 5, 6], [9, 10, 11, 12, 13, 14, 15]]  # row 0's third slot: a hole
+
+
 def test_keep_sequences_drops_batch_entries():
     cache = _cache(3, 2)
     keep_sequences(cache, [2, 0])

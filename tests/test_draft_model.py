@@ -74,16 +74,21 @@ def test_drafter_rolls_its_cache_back_to_the_committed_text(target):
     draft = build_tiny_model("llama", seed=1)
     pick = lambda scores, index: (int(scores.argmax()), None)  # noqa: E731
     reused = ModelDrafter(draft, 5, pick)
+
+    def check(text):
+        chain = reused.propose(text, 5)
+        assert chain.tolist() == ModelDrafter(draft, 5, pick).propose(text, 5).tolist()
+        assert reused.cache.get_seq_length() == len(reused.cached) == len(text) + len(chain) - 1
+        return chain
+
     text = repetitive_prompt(2)[0].numpy()
-    for step, cut in enumerate([len(text), len(text) - 3, len(text) + 2, len(text) + 2, 4]):
-        chain = reused.propose(text[:cut], 5) if cut <= len(text) else None
-        if chain is None:  # commit two of the previous chain's tokens plus a token it did not propose
-            text = np.concatenate([text, last[:1], [(int(last[1]) + 1) % 64]])
-            chain = reused.propose(text, 5)
-        fresh = ModelDrafter(draft, 5, pick).propose(text[:cut] if cut <= len(text) else text, 5)
-        assert chain.tolist() == fresh.tolist(), step
-        assert reused.cache.get_seq_length() == len(reused.cached)
-        last = chain
+    chain = check(text)
+    text = np.concatenate([text, chain[:2], [(int(chain[2]) + 1) % 64]])  # two accepted, then a different bonus
+    chain = check(text)
+    text = np.concatenate([text, chain])  # the whole chain accepted (its last token was never fed)
+    check(text)
+    check(text[:-7])  # back into the prompt
+    check(text[:4])
 
 
 def test_drafter_respects_max_len_and_skip(target):

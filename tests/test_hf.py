@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import build_tiny_model as tiny_model, repetitive_prompt
-from transformers import (AutoTokenizer, GenerationConfig, LlamaConfig, LlamaModel, LogitsProcessor, LogitsProcessorList,
-                          StoppingCriteria, StoppingCriteriaList)
+from transformers import (AutoTokenizer, GenerationConfig, LlamaConfig, LlamaModel, LogitsProcessor,
+                          LogitsProcessorList, StoppingCriteria, StoppingCriteriaList)
 from transformers.generation.streamers import BaseStreamer
 
 import lookahead
