@@ -21,16 +21,19 @@ from .paths import cache_dir
 
 CURVE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CURVE_PREFIX = 256
+PROBE_EVERY = 16  # a resting draft model still drafts one token this often
 
 
 @dataclass(frozen=True)
 class CostCurve:
-    """t(k)/t(1) for k new rows on a cache of `prefix_len` slots; `base_seconds` = t(1)."""
+    """t(k)/t(1) for k new rows per sequence, `batch` sequences, on a cache of `prefix_len` slots;
+    `base_seconds` = t(1)."""
 
     sizes: tuple[int, ...]
     ratios: tuple[float, ...]
     base_seconds: float
     prefix_len: int = CURVE_PREFIX
+    batch: int = 1
 
     def ratio(self, rows: int) -> float:
         """Cost of a forward of `rows` rows relative to one row (linear inter- and extrapolation)."""
@@ -48,22 +51,24 @@ class CostCurve:
     def from_json(cls, text: str) -> "CostCurve":
         """Inverse of `to_json`."""
         data = json.loads(text)
-        return cls(tuple(data["sizes"]), tuple(data["ratios"]), data["base_seconds"], data["prefix_len"])
+        return cls(tuple(data["sizes"]), tuple(data["ratios"]), data["base_seconds"], data["prefix_len"],
+                   data.get("batch", 1))
 
 
-def curve_key(model) -> str:
-    """Cache key: model config, device, dtype, torch threads and torch version."""
+def curve_key(model, batch: int = 1) -> str:
+    """Cache key: model config, device, dtype, torch threads, torch version and batch size."""
     parts = [model.config.to_json_string(use_diff=False), str(model.device), str(model.dtype),
-             str(torch.get_num_threads()), torch.__version__]
+             str(torch.get_num_threads()), torch.__version__] + ([f"batch={batch}"] if batch > 1 else [])
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 
 _MEMORY: dict[str, CostCurve] = {}
 
 
-def cost_curve_for(model, refresh: bool = False, quiet: bool = False) -> CostCurve:
-    """The model's cost curve: from memory, else from the disk cache, else measured (a few seconds) and cached."""
-    key = curve_key(model)
+def cost_curve_for(model, refresh: bool = False, quiet: bool = False, batch: int = 1) -> CostCurve:
+    """The model's cost curve for `batch` sequences: from memory, else from the disk cache, else measured (a few
+    seconds) and cached."""
+    key = curve_key(model, batch)
     path = cache_dir() / "cost" / f"{key}.json"
     if not refresh and key in _MEMORY:
         return _MEMORY[key]
@@ -71,9 +76,11 @@ def cost_curve_for(model, refresh: bool = False, quiet: bool = False) -> CostCur
         _MEMORY[key] = CostCurve.from_json(path.read_text())
         return _MEMORY[key]
     if not quiet:
-        print("lookahead: measuring this model's verification cost curve once (cached in "
+        what = "" if batch == 1 else f" at batch size {batch}"
+        print(f"lookahead: measuring this model's verification cost curve{what} once (cached in "
               f"{path.parent})", file=sys.stderr)
-    curve = measure_cost_curve(model)
+    sizes = CURVE_SIZES if batch == 1 else batch_sizes(batch)
+    curve = measure_cost_curve(model, sizes, batch=batch)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(curve.to_json())
     _MEMORY[key] = curve
@@ -82,13 +89,14 @@ def cost_curve_for(model, refresh: bool = False, quiet: bool = False) -> CostCur
 
 @torch.no_grad()
 def measure_cost_curve(model, sizes: tuple[int, ...] = CURVE_SIZES, prefix_len: int = CURVE_PREFIX,
-                       repeats: int = 5) -> CostCurve:
-    """Time forwards of k rows (with a 4D mask, as in verification) on a `prefix_len` cache; median per k."""
+                       repeats: int = 5, batch: int = 1) -> CostCurve:
+    """Time forwards of k rows per sequence for `batch` sequences (with a 4D mask, as in verification) on a
+    `prefix_len` cache; median per k."""
     from transformers import DynamicCache
 
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (1, prefix_len), generator=generator).to(model.device)
+    prompt = torch.randint(0, vocab, (batch, prefix_len), generator=generator).to(model.device)
     cache = DynamicCache(config=model.config)
     model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
     medians = {}
@@ -97,14 +105,20 @@ def measure_cost_curve(model, sizes: tuple[int, ...] = CURVE_SIZES, prefix_len: 
             medians.setdefault(k, []).append(_time_rows(model, cache, prefix_len, k, vocab))
     seconds = [float(np.median(medians[k])) for k in sizes]
     ratios = tuple(round(s / seconds[0], 4) for s in seconds)
-    return CostCurve(tuple(sizes), ratios, seconds[0], prefix_len)
+    return CostCurve(tuple(sizes), ratios, seconds[0], prefix_len, batch)
+
+
+def batch_sizes(batch: int) -> tuple[int, ...]:
+    """The rows per sequence a batch curve measures: CURVE_SIZES up to 64 rows in all (at least 1, 2, 4)."""
+    return tuple(k for k in CURVE_SIZES if k <= max(4, 64 // batch))
 
 
 def _time_rows(model, cache, prefix_len: int, rows: int, vocab: int) -> float:
-    """Seconds for one forward of `rows` new rows on the cache (the cache is cropped back afterwards)."""
-    ids = torch.randint(0, vocab, (1, rows)).to(model.device)
-    positions = torch.arange(prefix_len, prefix_len + rows, device=model.device).view(1, -1)
-    mask = None if rows == 1 else torch.zeros(1, 1, rows, prefix_len + rows, dtype=model.dtype,
+    """Seconds for one forward of `rows` new rows per sequence on the cache (cropped back afterwards)."""
+    batch = cache.layers[0].keys.shape[0]
+    ids = torch.randint(0, vocab, (batch, rows)).to(model.device)
+    positions = torch.arange(prefix_len, prefix_len + rows, device=model.device).view(1, -1).expand(batch, -1)
+    mask = None if rows == 1 else torch.zeros(batch, 1, rows, prefix_len + rows, dtype=model.dtype,
                                               device=model.device)
     start = time.perf_counter()
     model(ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
@@ -157,6 +171,18 @@ def best_row_count(scores: np.ndarray, window_rows: int, window_value: float, cu
     return best[1], best[2]
 
 
+def best_chain_length(rate: float, max_len: int, draft_cost: float, curve: CostCurve) -> int:
+    """Draft-model chain length n in [0, max_len] maximising expected committed tokens per unit cost,
+    (1 + rate + ... + rate**n) / (ratio(1 + n) + n * draft_cost), where `draft_cost` is the time of one draft
+    token over one target decode step. 0 = do not run the draft model this step."""
+    best_value, best_n = 1.0, 0
+    for n in range(1, max_len + 1):
+        value = sum(rate**i for i in range(n + 1)) / (curve.ratio(1 + n) + n * draft_cost)
+        if value > best_value * 1.02:
+            best_value, best_n = value, n
+    return best_n
+
+
 class StepPlanner:
     """Per-step choice of tree size and window use from the cost curve and running acceptance rates."""
 
@@ -165,6 +191,7 @@ class StepPlanner:
         self.curve, self.window_rows = curve, window_rows
         self.rates = AcceptanceRates(n_sources)
         self.window_value = 0.5  # running tokens/step credited to the window (via the pool it feeds)
+        self.steps = 0
 
     def plan(self, tree):
         """Return (pruned tree, whether to run the window) for this step."""
@@ -172,6 +199,16 @@ class StepPlanner:
             return tree, self.window_rows > 0
         k, use_window = best_row_count(self.node_scores(tree), self.window_rows, self.window_value, self.curve)
         return tree.prune(k), use_window
+
+    def chain_length(self, source: int, seconds_per_token: float | None, max_len: int) -> int:
+        """How many tokens the draft model (drafter `source`) should draft this step: `best_chain_length` on its
+        running acceptance rate and measured speed; every PROBE_EVERY-th step at least 1, so a resting draft
+        model can prove itself again. The full `max_len` without a curve or before its speed is known."""
+        if self.curve is None or seconds_per_token is None:
+            return max_len
+        rate = float(self.rates.rates()[source])
+        n = best_chain_length(rate, max_len, seconds_per_token / self.curve.base_seconds, self.curve)
+        return max(n, 1) if self.steps % PROBE_EVERY == 0 else n
 
     def node_scores(self, tree) -> np.ndarray:
         """Estimated acceptance probability of each non-root node, in `tree.ranked_nodes()` order."""
@@ -185,6 +222,7 @@ class StepPlanner:
         it carries the next committed token. Pruned nodes count too, so the rates keep learning while the
         planner verifies nothing (otherwise one bad stretch would stop speculation for good).
         """
+        self.steps += 1
         n = len(self.rates.tested)
         tested, accepted = np.zeros(n), np.zeros(n)
         node = 0
@@ -201,22 +239,21 @@ class StepPlanner:
             self.window_value = 0.9 * self.window_value + 0.1 * float(accepted[pool_source])
 
 
-def plan_batch(planners: list[StepPlanner], trees: list) -> list:
+def plan_batch(planners: list[StepPlanner], trees: list, curve: CostCurve | None) -> list:
     """Prune the trees of a batch step (one per sequence, no windows) to one common node count.
 
     All sequences are padded to the same row count, so one k serves them all: the k maximising expected
-    committed tokens of the batch per unit cost, (B + sum of each tree's top-k scores) / ratio(B * (1 + k)),
-    approximating a forward of B sequences x T rows by one of B*T rows on the measured curve. A wider batch
-    makes rows dearer, so the chosen k shrinks (down to plain decoding). Without a curve the trees are kept.
+    committed tokens of the batch per unit cost, (B + sum of each tree's top-k scores) / ratio(1 + k), on
+    `curve`, measured for this batch size (t(B sequences x k rows) / t(B x 1)). A wider batch makes extra rows
+    dearer, so the chosen k shrinks (down to plain decoding). Without a curve the trees are kept.
     """
-    curve = planners[0].curve
     if curve is None:
         return trees
     scores = [planner.node_scores(tree) for planner, tree in zip(planners, trees)]
     batch = len(trees)
-    best_value, best_k = batch / curve.ratio(batch), 0
+    best_value, best_k = float(batch), 0
     for k in range(1, max(len(s) for s in scores) + 1):
-        value = (batch + sum(float(s[:k].sum()) for s in scores)) / curve.ratio(batch * (1 + k))
+        value = (batch + sum(float(s[:k].sum()) for s in scores)) / curve.ratio(1 + k)
         if value > best_value * 1.02:  # prefer the cheaper option unless clearly better
             best_value, best_k = value, k
     return [tree.prune(best_k) for tree in trees]

@@ -76,10 +76,12 @@ def keep_rows_batched(cache: Cache, prefix_len: int, rows: list[list[int]]) -> i
 
 def _gather_tail(states: torch.Tensor, prefix_len: int, index: torch.Tensor) -> torch.Tensor:
     """[B, H, prefix_len + T, D] -> [B, H, prefix_len + K, D]: the prefix, then per sequence the slots
-    `prefix_len + index[b]`."""
+    `prefix_len + index[b]`. Only the T step slots are copied (in place); the prefix is not touched."""
     b, h, _, d = states.shape
-    index = index.to(states.device)[:, None, :, None].expand(b, h, index.shape[1], d)
-    return torch.cat([states[:, :, :prefix_len], states[:, :, prefix_len:].gather(2, index)], dim=2)
+    width = index.shape[1]
+    index = index.to(states.device)[:, None, :, None].expand(b, h, width, d)
+    states[:, :, prefix_len: prefix_len + width] = states[:, :, prefix_len:].gather(2, index)
+    return states[:, :, : prefix_len + width]
 
 
 def keep_sequences(cache: Cache, sequences: list[int]) -> None:

@@ -24,7 +24,8 @@ class DecodeRequest:
     (cache, attention mask, position ids, ...); logits_processor / stopping_criteria: HF lists; max_length:
     prompt + new tokens cap; streamer: optional HF streamer that receives committed tokens (B = 1 only);
     shared_drafter: optional cross-request drafter (see `drafters.SharedDrafter`); cost_curve: the model's
-    measured cost curve (None = verify the whole tree and window every step); do_sample: sample instead of
+    measured cost curve (None = verify the whole tree and window every step); batch_cost_curve: the curve
+    measured at the request's batch size (batches only; used while more than one sequence runs); do_sample: sample instead of
     greedy; draft_model: optional small causal LM with the target's vocabulary (checked by the caller) that
     drafts a chain each step; pad_finished: a sequence stops at its stopping criteria and is padded with
     `pad_token_id` (HF does this when an EOS criterion exists; otherwise a stopped row keeps generating until
@@ -39,6 +40,7 @@ class DecodeRequest:
     streamer: object = None
     shared_drafter: object = None
     cost_curve: CostCurve | None = None
+    batch_cost_curve: CostCurve | None = None
     do_sample: bool = False
     draft_model: object = None
     pad_finished: bool = True
@@ -73,8 +75,10 @@ class Decoder:
         """Forward the prompts and commit each sequence's next token."""
         t0 = time.perf_counter()
         request = self.request
-        inputs = self.model.prepare_inputs_for_generation(request.input_ids, is_first_iteration=True,
-                                                          **request.prompt_kwargs)
+        kwargs = dict(request.prompt_kwargs)
+        if getattr(self.model, "_supports_logits_to_keep", lambda: False)():
+            kwargs.setdefault("logits_to_keep", 1)  # the LM head only for the last position
+        inputs = self.model.prepare_inputs_for_generation(request.input_ids, is_first_iteration=True, **kwargs)
         logits = self.model(**inputs, return_dict=True).logits[:, -1]  # [B, V]
         self.prefix_len = self.cache.get_seq_length()
         positions, mask = inputs.get("position_ids"), request.prompt_kwargs.get("attention_mask")
@@ -130,7 +134,8 @@ class Decoder:
         if len(sequences) == 1 and self.request.input_ids.shape[0] == 1:
             tree, use_window = sequences[0].planner.plan(candidates[0])
             return [tree], [use_window]
-        return plan_batch([s.planner for s in sequences], candidates), [False] * len(sequences)
+        curve = self.request.cost_curve if len(sequences) == 1 else self.request.batch_cost_curve
+        return plan_batch([s.planner for s in sequences], candidates, curve), [False] * len(sequences)
 
     def _limit(self) -> int:
         """The length no sequence may pass: `max_length`, or once every sequence has stopped, the longest

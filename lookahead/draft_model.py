@@ -8,6 +8,7 @@ made of the target's own first layers plus its final norm and LM head (weights s
 from __future__ import annotations
 
 import copy
+import time
 from typing import Callable
 
 import numpy as np
@@ -36,6 +37,7 @@ class ModelDrafter:
         self.cache = DynamicCache()
         self.cached = np.zeros(0, dtype=np.int64)  # the tokens whose K/V the draft cache holds, in order
         self.last_probs: list[torch.Tensor | None] = []
+        self.seconds_per_token: float | None = None  # running mean time to draft one token
 
     @torch.no_grad()
     def propose(self, text: np.ndarray, max_len: int) -> np.ndarray:
@@ -45,6 +47,7 @@ class ModelDrafter:
         self.last_probs = []
         if n <= 0:
             return np.zeros(0, dtype=np.int64)
+        start = time.perf_counter()
         visible = text[self.skip:]
         keep = min(_common_prefix(self.cached, visible), len(visible) - 1)  # feed at least the root
         self._rollback(keep)
@@ -57,6 +60,9 @@ class ModelDrafter:
             if i + 1 < n:
                 logits = self._forward(np.asarray([token], dtype=np.int64))
         self.cached = np.concatenate([visible, np.asarray(chain[:-1], dtype=np.int64)])
+        seconds = (time.perf_counter() - start) / n
+        self.seconds_per_token = seconds if self.seconds_per_token is None else \
+            0.8 * self.seconds_per_token + 0.2 * seconds
         return np.asarray(chain, dtype=np.int64)
 
     def _rollback(self, keep: int) -> None:

@@ -59,13 +59,17 @@ class Drafters:
         if self.pool is not None and len(grams):
             self.pool.add(grams)
 
-    def draft(self, root: int, max_len: int) -> DraftTree:
-        """Merge every drafter's candidates (each cut to `max_len` tokens) into a `DraftTree` for `root`."""
+    def draft(self, root: int, max_len: int, chain_len: int | None = None) -> DraftTree:
+        """Merge every drafter's candidates (each cut to `max_len` tokens) into a `DraftTree` for `root`; the
+        draft model's chain has `chain_len` tokens (None: `config.draft_tokens`; 0: the draft model rests)."""
         paths, sources = [], []
         self._chain = np.zeros(0, dtype=np.int64)
+        if self.model_drafter is not None:
+            self.model_drafter.last_probs = []
         if max_len > 0 and self.config.tree_budget > 0:
-            if self.model_drafter is not None:
-                self._chain = self.model_drafter.propose(self._text, max_len)
+            chain_len = self.config.draft_tokens if chain_len is None else chain_len
+            if self.model_drafter is not None and chain_len > 0:
+                self._chain = self.model_drafter.propose(self._text, min(max_len, chain_len))
                 paths.append(self._chain)
                 sources.append(DRAFT_MODEL)
             if self.prompt is not None:

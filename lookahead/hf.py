@@ -61,10 +61,12 @@ class Lookahead:
                 raise ValueError(f"a streamer needs batch size 1 (got {input_ids.shape[0]} prompts); "
                                  "drop streamer= or generate one prompt at a time")
             lookahead_streamer.put(input_ids.cpu())  # generate only feeds the prompt to its own `streamer=`
+        batch = input_ids.shape[0]
         request = DecodeRequest(input_ids=input_ids, prompt_kwargs=model_kwargs, logits_processor=logits_processor,
                                 stopping_criteria=stopping_criteria, max_length=generation_config.max_length,
                                 streamer=lookahead_streamer, shared_drafter=self.shared_drafter,
                                 cost_curve=self._cost_curve(model), do_sample=bool(generation_config.do_sample),
+                                batch_cost_curve=self._cost_curve(model, batch) if batch > 1 else None,
                                 draft_model=self.draft_model, pad_token_id=_pad_token(generation_config),
                                 pad_finished=any(hasattr(c, "eos_token_id") for c in stopping_criteria))
         decoder = Decoder(model, self.config, request)
@@ -74,12 +76,12 @@ class Lookahead:
             return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=decoder.cache)
         return sequences
 
-
-    def _cost_curve(self, model):
-        """The model's measured cost curve when the budget adapts (measured once, then cached on disk)."""
+    def _cost_curve(self, model, batch: int = 1):
+        """The model's measured cost curve at `batch` sequences when the budget adapts (measured once, then
+        cached on disk), else None."""
         drafts = self.config.speculates or (self.draft_model is not None and self.config.tree_budget > 0)
         if self.config.adaptive and drafts:
-            return cost_curve_for(model)
+            return cost_curve_for(model, batch=batch)
         return None
 
 

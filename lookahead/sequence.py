@@ -9,7 +9,7 @@ import torch
 from .budget import StepPlanner
 from .config import LookaheadConfig
 from .draft_model import ModelDrafter
-from .drafters import POOL, SOURCE_DRAFTER, Drafters
+from .drafters import DRAFT_MODEL, POOL, SOURCE_DRAFTER, Drafters
 from .jacobi import JacobiWindow
 from .layout import RowDrafts
 from .rules import make_rule
@@ -65,7 +65,10 @@ class Sequence:
     def candidates(self) -> DraftTree:
         """Every drafter's candidates for this step, merged into one unpruned tree (kept for `learn`)."""
         root = int(self.ids[self.length - 1])
-        self._candidates = self.drafters.draft(root, max_len=self.request.max_length - self.length - 1)
+        drafter = self.drafters.model_drafter
+        chain = None if drafter is None else \
+            self.planner.chain_length(DRAFT_MODEL, drafter.seconds_per_token, self.config.draft_tokens)
+        self._candidates = self.drafters.draft(root, self.request.max_length - self.length - 1, chain)
         return self._candidates
 
     def row_drafts(self, tree: DraftTree, use_window: bool) -> RowDrafts:

@@ -110,22 +110,27 @@ def test_batch_of_one_padded_row_and_fp32():
     assert torch.equal(model.generate(ids, **kwargs), model.generate(ids, custom_generate=Lookahead(), **kwargs))
 
 
-def _curve(ratios):
-    sizes = (1, 2, 4, 8, 16, 32, 64)
-    return CostCurve(sizes, tuple(ratios), 0.01)
-
-
-def test_plan_batch_shrinks_the_tree_as_the_batch_grows():
-    flat = _curve([1, 1.05, 1.1, 1.2, 1.6, 2.6, 5.0])
+def test_plan_batch_shrinks_the_tree_when_rows_get_dear():
+    """The batch curve (t(B x k rows) / t(B x 1)) is steeper for wider batches: the planner verifies less."""
     tree = DraftTree.from_paths(1, [[2, 3, 4, 5], [6, 7], [8]], [0, 0, 3], budget=16)
     sizes = []
-    for batch in (1, 2, 4, 8):
-        planners = [StepPlanner(flat, len(SOURCE_DRAFTER), 0) for _ in range(batch)]
+    for batch, ratios in [(2, [1, 1.05, 1.1, 1.2, 1.6]), (4, [1, 1.3, 1.8, 2.6, 4.0]), (8, [1, 1.9, 3.5, 6.8, 13])]:
+        curve = CostCurve((1, 2, 4, 8, 16), tuple(ratios), 0.01, batch=batch)
+        planners = [StepPlanner(curve, len(SOURCE_DRAFTER), 0) for _ in range(batch)]
         for planner in planners:
             planner.rates.accepted[:] = planner.rates.tested * 0.6
-        sizes.append(plan_batch(planners, [tree] * batch)[0].size)
-    assert sizes[0] > sizes[-1] and sizes == sorted(sizes, reverse=True)
-    assert plan_batch([StepPlanner(None, len(SOURCE_DRAFTER), 0)], [tree])[0] is tree
+        sizes.append(plan_batch(planners, [tree] * batch, curve)[0].size)
+    assert sizes[0] > sizes[-1] == 1 and sizes == sorted(sizes, reverse=True)
+    assert plan_batch([StepPlanner(None, len(SOURCE_DRAFTER), 0)], [tree], None)[0] is tree
+
+
+def test_batch_cost_curve_is_measured_per_batch_size():
+    from lookahead.budget import batch_sizes, measure_cost_curve
+
+    model = build_tiny_model("llama", dtype=torch.float32)
+    curve = measure_cost_curve(model, batch_sizes(8), prefix_len=16, repeats=1, batch=8)
+    assert curve.batch == 8 and curve.sizes == (1, 2, 4, 8) and curve.ratios[0] == 1.0
+    assert CostCurve.from_json(curve.to_json()) == curve
 
 
 def _cache(batch: int, slots: int) -> DynamicCache:

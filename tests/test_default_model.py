@@ -98,3 +98,32 @@ def test_default_model_seeded_sampling_identical_with_and_without_speculation(de
     plain = model.generate(prompt, custom_generate=Lookahead(LookaheadConfig.off().with_overrides(seed=seed)),
                            **kwargs)
     assert torch.equal(fast, plain)
+
+
+@pytest.mark.parametrize("index", [0, 5])
+def test_default_model_with_its_early_exit_draft_identical_to_plain_greedy(default_model, index):
+    """Draft-model mode on the real model: its first 12 layers + LM head draft; acceptance must be real."""
+    from lookahead.draft_model import early_exit_draft
+
+    model, tokenizer = default_model
+    _, text, chat = _cases()[index]
+    prompt = _encode(tokenizer, text, chat)
+    decoder = Lookahead(LookaheadConfig.off().with_overrides(tree_budget=8, adaptive=False),
+                        draft_model=early_exit_draft(model, 12))
+    fast = model.generate(prompt, do_sample=False, max_new_tokens=MAX_NEW_TOKENS, custom_generate=decoder)
+    _assert_same_or_near_tie(model, prompt, fast)
+    assert decoder.last_stats.accepted_by_drafter["draft_model"] > 0
+
+
+def test_default_model_left_padded_batch_identical_to_plain_batched_greedy(default_model):
+    model, tokenizer = default_model
+    rows = [_encode(tokenizer, text, chat)[0, -200:] for _, text, chat in [_cases()[i] for i in (0, 4, 8)]]
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):], mask[b, width - len(row):] = row, 1
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=40, pad_token_id=pad)
+    plain = model.generate(ids, **kwargs)
+    assert torch.equal(model.generate(ids, custom_generate=Lookahead(), **kwargs), plain)
