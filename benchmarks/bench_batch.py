@@ -57,10 +57,13 @@ def run_batches(model, tokenizer, prompts, batch_sizes: list[int], repeats: int,
     decoder, runs = Lookahead(config), []
     from tqdm import tqdm
 
-    bar = tqdm(total=repeats * len(groups) * len(METHODS) + 2, disable=not progress, file=sys.stderr, unit="run")
-    for method in METHODS:  # warm-up
-        _generate(model, *left_pad(encoded[:2], pad), method, decoder, max_new_tokens, pad)
-        bar.update()
+    bar = tqdm(total=(repeats * len(groups) + len(batch_sizes)) * len(METHODS), disable=not progress,
+               file=sys.stderr, unit="run")
+    for size in batch_sizes:  # warm-up per batch size (this also measures lookahead's cost curve for it)
+        for method in METHODS:
+            bar.set_postfix_str(f"warm-up batch {size} {method}")
+            _generate(model, *left_pad(encoded[:size], pad), method, decoder, 8, pad)
+            bar.update()
     for repeat in range(repeats):
         for index, (size, rows) in enumerate(groups):
             ids, mask = left_pad(rows, pad)

@@ -25,11 +25,11 @@ class DecodeRequest:
     prompt + new tokens cap; streamer: optional HF streamer that receives committed tokens (B = 1 only);
     shared_drafter: optional cross-request drafter (see `drafters.SharedDrafter`); cost_curve: the model's
     measured cost curve (None = verify the whole tree and window every step); batch_cost_curve: the curve
-    measured at the request's batch size (batches only; used while more than one sequence runs); do_sample: sample instead of
-    greedy; draft_model: optional small causal LM with the target's vocabulary (checked by the caller) that
-    drafts a chain each step; pad_finished: a sequence stops at its stopping criteria and is padded with
-    `pad_token_id` (HF does this when an EOS criterion exists; otherwise a stopped row keeps generating until
-    every row has stopped).
+    measured at the request's batch size (batches only; used while more than one sequence runs); do_sample:
+    sample instead of greedy; draft_model: optional small causal LM with the target's vocabulary (checked by
+    the caller) that drafts a chain each step; pad_finished: a sequence stops at its stopping criteria and is
+    padded with `pad_token_id` (HF does this when an EOS criterion exists; otherwise a stopped row keeps
+    generating until every row has stopped).
     """
 
     input_ids: torch.Tensor
