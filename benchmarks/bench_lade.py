@@ -328,6 +328,7 @@ class _Counter:
         self.total, self.done, self.enabled = total, 0, enabled
 
     def update(self) -> None:
+        """Count one finished run."""
         self.done += 1
         if self.enabled:
             print(f"\r{self.done}/{self.total} runs", end="", file=sys.stderr, flush=True)
@@ -336,6 +337,7 @@ class _Counter:
         """Ignored (tqdm shows the current prompt and method here)."""
 
     def close(self) -> None:
+        """End the progress line."""
         if self.enabled:
             print(file=sys.stderr)
 
