@@ -239,13 +239,48 @@ class StepPlanner:
             self.window_value = 0.9 * self.window_value + 0.1 * float(accepted[pool_source])
 
 
-def plan_batch(planners: list[StepPlanner], trees: list, curve: CostCurve | None) -> list:
+class ObservedCost:
+    """Running forward times of a generation's batch steps by row count, to correct the measured curve.
+
+    The curve is measured once on a 256-token cache; long prompts, hole slots and a wide batch can make real
+    multi-row steps dearer than it says. `scale()` is how much more the extra rows really cost than the curve
+    predicts (1.0 until both a plain and a multi-row step were seen).
+    """
+
+    def __init__(self, curve: CostCurve | None):
+        self.curve, self.seconds = curve, {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        """Add one forward of `rows` rows per sequence that took `seconds`."""
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    @property
+    def has_plain(self) -> bool:
+        """Whether a plain (one row per sequence) step has been timed."""
+        return 1 in self.seconds
+
+    def scale(self) -> float:
+        """max over timed row counts T > 1 of (observed t(T)/t(1) - 1) / (curve ratio(T) - 1), at least 1."""
+        if self.curve is None or 1 not in self.seconds:
+            return 1.0
+        plain, worst = self.seconds[1], 1.0
+        for rows, seconds in self.seconds.items():
+            predicted = self.curve.ratio(rows) - 1.0
+            if rows > 1 and predicted > 1e-6:
+                worst = max(worst, (seconds / plain - 1.0) / predicted)
+        return worst
+
+
+def plan_batch(planners: list[StepPlanner], trees: list, curve: CostCurve | None, scale: float = 1.0) -> list:
     """Prune the trees of a batch step (one per sequence, no windows) to one common node count.
 
     All sequences are padded to the same row count, so one k serves them all: the k maximising expected
     committed tokens of the batch per unit cost, (B + sum of each tree's top-k scores) / ratio(1 + k), on
     `curve`, measured for this batch size (t(B sequences x k rows) / t(B x 1)). A wider batch makes extra rows
-    dearer, so the chosen k shrinks (down to plain decoding). Without a curve the trees are kept.
+    dearer, so the chosen k shrinks (down to plain decoding). `scale` multiplies the curve's extra cost
+    (ratio - 1) by what the generation's own timed steps showed (`ObservedCost.scale`). Without a curve the trees
+    are kept.
     """
     if curve is None:
         return trees
@@ -253,7 +288,7 @@ def plan_batch(planners: list[StepPlanner], trees: list, curve: CostCurve | None
     batch = len(trees)
     best_value, best_k = float(batch), 0
     for k in range(1, max(len(s) for s in scores) + 1):
-        value = (batch + sum(float(s[:k].sum()) for s in scores)) / curve.ratio(1 + k)
+        value = (batch + sum(float(s[:k].sum()) for s in scores)) / (1.0 + (curve.ratio(1 + k) - 1.0) * scale)
         if value > best_value * 1.02:  # prefer the cheaper option unless clearly better
             best_value, best_k = value, k
     return [tree.prune(best_k) for tree in trees]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .budget import CostCurve, plan_batch
+from .budget import CostCurve, ObservedCost, plan_batch
 from .cache import keep_rows_batched, keep_sequences
 from .config import LookaheadConfig
 from .layout import pack_batch
@@ -58,6 +58,7 @@ class Decoder:
         self.sequences: list[Sequence] = []
         self.active: list[int] = []  # indices into `sequences`, in the cache's batch order
         self.cut_at_stop = request.pad_finished or request.input_ids.shape[0] == 1
+        self.observed = ObservedCost(request.batch_cost_curve)
 
     @torch.no_grad()
     def run(self) -> torch.Tensor:
@@ -125,6 +126,8 @@ class Decoder:
         self._retire()
         self.stats.draft_time += t1 - t0
         self.stats.forward_time += t2 - t1
+        if len(sequences) > 1:
+            self.observed.record(inputs.input_ids.shape[1], t2 - t1)
         self.stats.verify_time += time.perf_counter() - t2
 
     def _plan(self, sequences: list[Sequence]) -> tuple[list, list[bool]]:
@@ -134,8 +137,13 @@ class Decoder:
         if len(sequences) == 1 and self.request.input_ids.shape[0] == 1:
             tree, use_window = sequences[0].planner.plan(candidates[0])
             return [tree], [use_window]
-        curve = self.request.cost_curve if len(sequences) == 1 else self.request.batch_cost_curve
-        return plan_batch([s.planner for s in sequences], candidates, curve), [False] * len(sequences)
+        if len(sequences) == 1:
+            return plan_batch([sequences[0].planner], candidates, self.request.cost_curve), [False]
+        curve = self.request.batch_cost_curve
+        if curve is not None and not self.observed.has_plain:  # time one plain step first: the reference
+            return [tree.prune(0) for tree in candidates], [False] * len(sequences)
+        trees = plan_batch([s.planner for s in sequences], candidates, curve, self.observed.scale())
+        return trees, [False] * len(sequences)
 
     def _limit(self) -> int:
         """The length no sequence may pass: `max_length`, or once every sequence has stopped, the longest

@@ -162,3 +162,20 @@ def test_keep_sequences_drops_batch_entries():
     keep_sequences(cache, [2, 0])
     assert cache.layers[0].keys[:, 0, :, 0].tolist() == [[4, 5], [0, 1]]
     assert np.array_equal(cache.layers[0].values.shape, (2, 2, 2, 3))
+
+
+def test_observed_cost_scales_the_curve_and_stops_a_losing_speculation():
+    from lookahead.budget import ObservedCost
+
+    curve = CostCurve((1, 2, 4, 8, 16), (1, 1.05, 1.1, 1.2, 1.6), 0.01, batch=4)
+    observed = ObservedCost(curve)
+    assert observed.scale() == 1.0 and not observed.has_plain
+    observed.record(1, 1.0)
+    observed.record(3, 3.0)  # curve: ratio(3) = 1.075; observed 3.0
+    assert observed.has_plain and observed.scale() == pytest.approx(2.0 / 0.075)
+    tree = DraftTree.from_paths(1, [[2, 3, 4, 5], [6, 7], [8]], [0, 0, 3], budget=16)
+    planners = [StepPlanner(curve, len(SOURCE_DRAFTER), 0) for _ in range(4)]
+    for planner in planners:
+        planner.rates.accepted[:] = planner.rates.tested * 0.6
+    assert plan_batch(planners, [tree] * 4, curve)[0].size > 1
+    assert plan_batch(planners, [tree] * 4, curve, observed.scale())[0].size == 1
