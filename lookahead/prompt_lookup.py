@@ -59,14 +59,14 @@ def append_new_candidate(tokens, first, n, out, out_len, count):
 
 
 @numba.njit(cache=True)
-def _search(tokens, length, min_n, max_n, prev, occ_pos, occ_len, out, out_len, out_match):
+def _search(tokens, length, min_n, max_n, prev, occ_pos, occ_len, out, out_len, out_first, out_match):
     """Fill ``out[:c], out_len[:c], out_match[:c]`` with the ranked candidates and their match lengths (see
     ``PromptLookup.propose``); return ``c``.
 
-    ``out``: ``[max_candidates, max_len]``; ``occ_pos / occ_len`` are scratch of at least ``length``.
+    ``out``: ``[max_candidates, max_len]``; ``occ_pos / occ_len`` are scratch of at least ``length``;
+    ``out_first``: scratch of ``max_candidates``.
     """
-    max_candidates, max_len = out.shape
-    if max_candidates == 0 or length < min_n + 1:
+    if out.shape[0] == 0 or length < min_n + 1:
         return 0  # no suffix of min_n tokens with a position before it
     last = length - 1
     # Pass 1: every earlier end position p with its match length, most recent first.
@@ -81,16 +81,31 @@ def _search(tokens, length, min_n, max_n, prev, occ_pos, occ_len, out, out_len, 
             occ_len[n_occ] = k
             n_occ += 1
         p = prev[p]
-    # Pass 2: longest match first, then most recent; skip a prefix of (or copy of) a kept candidate.
+    return rank_candidates(tokens, length, occ_pos, occ_len, n_occ, max_n, min_n, out, out_len, out_first, out_match)
+
+
+@numba.njit(cache=True)
+def rank_candidates(tokens, end, occ_pos, occ_len, n_occ, k_hi, k_lo, out, out_len, out_first, out_match):
+    """Pass 2 of a suffix-match search: the continuations of the ``n_occ`` occurrences (``occ_pos`` ends of a
+    match of length ``occ_len``, newest first), longest match first (``k_hi`` down to ``k_lo``), then newest.
+
+    A continuation is ``tokens[p + 1:]`` cut at ``out``'s width, at ``end`` or at a negative token (a document
+    separator); one equal to or a prefix of a kept candidate is skipped. Writes ``out[:c], out_len[:c]``, the
+    first token's position ``out_first[:c]`` and the match length ``out_match[:c]``; returns ``c``.
+    """
+    max_candidates, max_len = out.shape
     count = 0
-    for k in range(max_n, min_n - 1, -1):
+    for k in range(k_hi, k_lo - 1, -1):
         for i in range(n_occ):
             if occ_len[i] != k:
                 continue
             first = occ_pos[i] + 1
-            if not append_new_candidate(tokens, first, min(max_len, length - first), out, out_len, count):
+            n = 0
+            while n < max_len and first + n < end and tokens[first + n] >= 0:
+                n += 1
+            if not append_new_candidate(tokens, first, n, out, out_len, count):
                 continue
-            out_match[count] = k
+            out_first[count], out_match[count] = first, k
             count += 1
             if count == max_candidates:
                 return count
@@ -134,7 +149,7 @@ class PromptLookup:
         self._index(0, 0)
         _search(self._tokens, 0, self.min_ngram, self.max_ngram, self._prev, self._occ_pos,
                 self._occ_len, np.zeros((1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64),
-                np.zeros(1, dtype=np.int64))
+                np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
         self.last_match_lengths = np.zeros(0, dtype=np.int64)  # [c] match length of each last proposal
 
     def _allocate(self, capacity: int) -> None:
@@ -191,9 +206,10 @@ class PromptLookup:
         max_len = _check_int("max_len", max_len, 1)
         out = np.empty((max_candidates, max_len), dtype=np.int64)  # [max_candidates, max_len]
         out_len = np.empty(max_candidates, dtype=np.int64)  # [max_candidates]
+        out_first = np.empty(max_candidates, dtype=np.int64)  # [max_candidates] (unused here)
         out_match = np.empty(max_candidates, dtype=np.int64)  # [max_candidates]
         count = _search(self._tokens, self._length, self.min_ngram, self.max_ngram, self._prev,
-                        self._occ_pos, self._occ_len, out, out_len, out_match)
+                        self._occ_pos, self._occ_len, out, out_len, out_first, out_match)
         self.last_match_lengths = out_match[:count].copy()
         return [out[i, :n] for i, n in enumerate(out_len[:count].tolist())]
 

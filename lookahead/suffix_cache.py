@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from .prompt_lookup import append_new_candidate
+from .prompt_lookup import rank_candidates
 
 _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio (Fibonacci hashing)
 _FREE = -1  # separator / evicted / unused arena slot; never a token id
@@ -64,15 +64,16 @@ def _index_range(tokens, start, stop, m, bits, head, prev):
 
 
 @numba.njit(cache=True)
-def _search(tokens, m, bits, head, prev, query, max_probes, occ_pos, occ_len, out, out_len, out_first):
+def _search(tokens, m, bits, head, prev, query, max_probes, occ_pos, occ_len, out, out_len, out_first,
+            out_match):
     """Fill ``out[:c], out_len[:c], out_first[:c]`` with ranked candidates (see `SuffixCache.propose`); return c.
 
     query: [q] the text's last tokens (q = the longest match considered); out: [max_candidates, max_len];
-    out_first: arena position of each candidate's first token; occ_pos / occ_len: scratch of >= max_probes.
+    out_first: arena position of each candidate's first token; out_match: its match length; occ_pos / occ_len:
+    scratch of >= max_probes.
     """
-    max_candidates, max_len = out.shape
     q = query.shape[0]
-    if max_candidates == 0 or q < m:
+    if out.shape[0] == 0 or q < m:
         return 0
     # Hash the query's last m tokens exactly as the index hashes an arena gram.
     shift = np.uint64(64 - bits)
@@ -91,23 +92,8 @@ def _search(tokens, m, bits, head, prev, query, max_probes, occ_pos, occ_len, ou
             occ_len[n_occ] = k
             n_occ += 1
         p = prev[p]
-    # Pass 2: longest match first, then newest; skip a candidate equal to or a prefix of a kept one.
-    count = 0
-    for k in range(q, m - 1, -1):
-        for i in range(n_occ):
-            if occ_len[i] != k:
-                continue
-            first = occ_pos[i] + 1
-            n = 0
-            while n < max_len and tokens[first + n] >= 0:
-                n += 1
-            if not append_new_candidate(tokens, first, n, out, out_len, count):
-                continue
-            out_first[count] = first
-            count += 1
-            if count == max_candidates:
-                return count
-    return count
+    return rank_candidates(tokens, tokens.shape[0], occ_pos, occ_len, n_occ, q, m, out, out_len, out_first,
+                           out_match)
 
 
 @dataclass
@@ -215,9 +201,10 @@ class SuffixCache:
         out = np.empty((max_candidates, max_len), dtype=np.int64)  # [max_candidates, max_len]
         out_len = np.empty(max_candidates, dtype=np.int64)  # [max_candidates]
         out_first = np.empty(max_candidates, dtype=np.int64)  # [max_candidates] arena positions
+        out_match = np.empty(max_candidates, dtype=np.int64)  # [max_candidates] (unused here)
         with self._lock:
             count = _search(self._tokens, self.min_match, self._bits, self._head, self._prev, query,
-                            self.max_probes, self._occ_pos, self._occ_len, out, out_len, out_first)
+                            self.max_probes, self._occ_pos, self._occ_len, out, out_len, out_first, out_match)
             for doc_id in dict.fromkeys(self._owner[out_first[:count]].tolist()):
                 self._docs.move_to_end(doc_id)
         return [out[i, :n] for i, n in enumerate(out_len[:count].tolist())]
