@@ -1,4 +1,5 @@
-"""Benchmark prompts from ../shared/prompts, grouped into the suite's categories, and their encoding.
+"""Benchmark prompts from the vendored `data/prompts` (licences in its README), grouped into the suite's
+categories, and their encoding.
 
 Each suite category draws from one prompt file and one or more source categories of it:
 
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parents[2] / "shared" / "prompts"
+DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parents[1] / "data" / "prompts"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
 

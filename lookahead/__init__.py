@@ -3,6 +3,7 @@
 Greedy output is token-identical to `model.generate(do_sample=False)`; see README.md.
 """
 
+from . import numba_cache  # noqa: F401  (first: numba's cache folder must be set before any kernel is decorated)
 from .config import LookaheadConfig
 from .hf import Lookahead, patch, unpatch
 from .models import ModelLoadError, load_model

@@ -14,7 +14,7 @@ import torch
 
 from lookahead import Lookahead, LookaheadConfig, load_model
 
-PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "prompts"
+PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts"
 NEAR_TIE = 1e-4
 MAX_NEW_TOKENS = 64
 

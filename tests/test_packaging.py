@@ -27,3 +27,85 @@ def test_console_script_is_declared():
 
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
     assert scripts.get("lookahead") == "lookahead.cli.main:main"
+
+
+# -- the repository stands alone ------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_prompts_are_vendored_inside_the_repository():
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        prompts = importlib.import_module("prompts")
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    assert prompts.DEFAULT_PROMPTS_DIR.resolve().is_relative_to(REPO)
+    assert len(prompts.load_prompts(prompts.DEFAULT_CATEGORIES, 4)) == 4 * len(prompts.DEFAULT_CATEGORIES)
+    notes = (prompts.DEFAULT_PROMPTS_DIR / "README.md").read_text()
+    assert "MIT" in notes and "Apache-2.0" in notes
+    assert (prompts.DEFAULT_PROMPTS_DIR / "LICENSE.humaneval").is_file()
+    assert (prompts.DEFAULT_PROMPTS_DIR / "LICENSE.spec-bench").is_file()
+
+
+def test_no_source_file_reads_outside_the_repository():
+    """The prompts once lived in `../shared/prompts`; a fresh clone has no such folder."""
+    outside = ("shared/prompts", '/ "shared" /')
+    sources = [p for folder in ("lookahead", "cli", "kernels", "benchmarks", "tests")
+               for p in (REPO / folder).rglob("*.py") if p != Path(__file__).resolve()]
+    offenders = [str(p.relative_to(REPO)) for p in sources if any(s in p.read_text() for s in outside)]
+    assert offenders == []
+
+
+# -- numba's cache stays out of the installed package ---------------------------------------------------------
+
+_RUN_DRAFTERS = """
+import numpy as np
+import lookahead
+from lookahead.ngram_pool import NGramPool
+from lookahead.prompt_lookup import PromptLookup
+from lookahead.suffix_cache import SuffixCache
+
+text = np.array([1, 2, 3, 4, 1, 2, 3], dtype=np.int64)
+lookup = PromptLookup()
+lookup.extend(text)
+lookup.propose(4, 4)
+pool = NGramPool(3, 16)
+pool.add_text(text)
+pool.lookup(1, 4)
+cache = SuffixCache()
+cache.add(text)
+cache.propose(text[:3], 4, 4)
+print(lookahead.__file__)
+"""
+
+
+def test_numba_caches_go_to_the_user_cache_folder(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"} | {"LOOKAHEAD_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", _RUN_DRAFTERS], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    package = Path(run.stdout.strip()).parent
+    in_package = [p for p in package.rglob("*") if p.suffix in (".nbi", ".nbc")]
+    assert in_package == [], f"numba cache files inside the package: {in_package[:3]}"
+    cached = {p.suffix for p in (tmp_path / "numba").rglob("*")}
+    assert {".nbi", ".nbc"} <= cached
+
+
+def test_numba_cache_dir_set_by_the_user_is_kept(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    chosen = tmp_path / "mine"
+    env = os.environ | {"LOOKAHEAD_CACHE": str(tmp_path / "lookahead"), "NUMBA_CACHE_DIR": str(chosen)}
+    code = "import lookahead, numba; print(numba.config.CACHE_DIR)"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(chosen)
