@@ -23,14 +23,15 @@ def main() -> None:
               help="Local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
 @click.option("--chat/--no-chat", default=False, show_default=True,
               help="Wrap the prompt in the model's chat template.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="New tokens at most; prompt + new tokens must fit the model's context.")
 @click.option("--mode", type=click.Choice(["lookahead", "off"]), default="lookahead", show_default=True,
               help="`off` decodes one token per step through the same loop (no speculation).")
 @click.option("--stats", is_flag=True, help="Print tokens/s and tokens per step on stderr.")
 @click.option("--compare", is_flag=True, help="Also run plain HF greedy; print the speedup and whether "
                                               "the outputs are identical.")
 @click.option("--sample/--greedy", default=False, show_default=True, help="Sample instead of greedy decoding.")
-@click.option("--temperature", type=float, default=None, help="Sampling temperature (> 0).")
+@click.option("--temperature", type=float, default=None, help="Sampling temperature (> 0, finite).")
 @click.option("--top-k", type=click.IntRange(min=0), default=None, help="Sample from the k likeliest tokens.")
 @click.option("--top-p", type=float, default=None, help="Nucleus sampling mass, in (0, 1].")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None,

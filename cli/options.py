@@ -2,23 +2,43 @@
 
 from __future__ import annotations
 
+import math
+
 import click
 
 from lookahead.config import LookaheadConfig
 
 
 def read_prompt(prompt: str | None, stdin) -> str:
-    """Return the prompt from the argument, or from `stdin` when it is omitted or `-`.
+    """Return the prompt from the argument, or from `stdin` when it is omitted or `-`; both must be UTF-8.
 
-    Raises `click.UsageError` for an empty prompt or a missing one with an interactive stdin.
+    Raises `click.UsageError` for an empty prompt or a missing one with an interactive stdin, and
+    `click.ClickException` for bytes that are not UTF-8 (nothing is replaced: the model sees what was sent).
     """
     if prompt is None or prompt == "-":
         if stdin.isatty():
             raise click.UsageError("no prompt: pass PROMPT or pipe text on stdin")
-        prompt = stdin.read()
+        buffer = getattr(stdin, "buffer", None)
+        prompt = stdin.read() if buffer is None else _utf8(buffer.read(), "stdin")
+    else:
+        # POSIX hands undecodable argument bytes over as lone surrogates (PEP 383); get the bytes back.
+        try:
+            raw = prompt.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError as exc:
+            raise click.ClickException(f"PROMPT is not valid UTF-8 text (character {exc.start})") from None
+        prompt = _utf8(raw, "PROMPT")
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
     return prompt
+
+
+def _utf8(data: bytes, source: str) -> str:
+    """`data` decoded as UTF-8; `click.ClickException` naming the first bad byte and its offset otherwise."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise click.ClickException(f"{source} is not valid UTF-8: byte 0x{data[exc.start]:02x} at offset "
+                                   f"{exc.start}; pass UTF-8 text (e.g. convert with iconv)") from None
 
 
 def sampling_kwargs(sample: bool, temperature: float | None, top_k: int | None, top_p: float | None) -> dict:
@@ -30,8 +50,8 @@ def sampling_kwargs(sample: bool, temperature: float | None, top_k: int | None, 
         if given:
             raise click.UsageError(f"--{next(iter(given)).replace('_', '-')} needs --sample")
         return {"do_sample": False}
-    if temperature is not None and not temperature > 0:
-        raise click.UsageError(f"--temperature must be > 0, got {temperature}")
+    if temperature is not None and not (temperature > 0 and math.isfinite(temperature)):
+        raise click.UsageError(f"--temperature must be > 0 and finite, got {temperature}")
     if top_p is not None and not 0 < top_p <= 1:
         raise click.UsageError(f"--top-p must be in (0, 1], got {top_p}")
     return {"do_sample": True, **given}

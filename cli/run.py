@@ -25,6 +25,7 @@ def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: 
     except (ModelLoadError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     input_ids = _encode(tokenizer, text, chat)
+    _check_context(model, input_ids.shape[1], max_new_tokens)
     decoder = Lookahead(config, draft_model=draft_model)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     try:
@@ -62,6 +63,20 @@ def _encode(tokenizer, text: str, chat: bool) -> torch.Tensor:
         messages = [{"role": "user", "content": text}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, return_tensors="pt").input_ids
+
+
+def _check_context(model, n_prompt: int, max_new_tokens: int) -> None:
+    """The server's rule: prompt + new tokens must fit the model's context (`max_position_embeddings`);
+    `click.ClickException` naming the numbers otherwise (before anything is allocated for the generation)."""
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if context is None:
+        return
+    if n_prompt >= context:
+        raise click.ClickException(f"the prompt has {n_prompt} tokens; the model's context is {context} tokens")
+    if n_prompt + max_new_tokens > context:
+        raise click.ClickException(f"--max-new-tokens: {n_prompt} prompt tokens + {max_new_tokens} new tokens "
+                                   f"exceed the model's context of {context} tokens (at most "
+                                   f"{context - n_prompt} new tokens fit)")
 
 
 def _compare(model, input_ids: torch.Tensor, max_new_tokens: int, output: torch.Tensor, seconds: float) -> None:

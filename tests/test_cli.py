@@ -77,6 +77,13 @@ def test_seeded_sampling_matches_mode_off(tiny_folder):
     (["hi", "--tree-budget", "-3"], None, "tree-budget"),
     ([], "", "prompt is empty"),
     (["hi", "--sample", "--temperature", "-1"], None, "temperature must be > 0"),
+    (["hi", "--sample", "--temperature", "inf"], None, "--temperature must be > 0 and finite, got inf"),
+    (["hi", "--sample", "--temperature", "nan"], None, "--temperature must be > 0 and finite, got nan"),
+    (["hi", "--sample", "--top-p", "nan"], None, "top-p must be in (0, 1]"),
+    ([], b"caf\xe9", "stdin is not valid UTF-8: byte 0xe9 at offset 3"),
+    (["-"], b"ok \xff\xfe", "stdin is not valid UTF-8: byte 0xff at offset 3"),
+    (["caf\udce9"], None, "PROMPT is not valid UTF-8: byte 0xe9 at offset 3"),  # how Python hands over argv bytes
+    (["caf\ud800"], None, "PROMPT is not valid UTF-8 text"),
     (["hi", "--sample", "--top-p", "1.5"], None, "top-p must be in (0, 1]"),
     (["hi", "--top-k", "5"], None, "needs --sample"),
     (["hi", "--seed", "-2"], None, "seed"),
@@ -90,6 +97,20 @@ def test_bad_input_gives_one_line_error(args, stdin, message):
     assert "Traceback" not in result.output
     assert message in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["hi", "--max-new-tokens", "1000000000"], "--max-new-tokens: 1 prompt tokens + 1000000000 new tokens exceed "
+                                               "the model's context of 1024 tokens (at most 1023 new tokens fit)"),
+    (["hi", "--max-new-tokens", str(10**12)], f"--max-new-tokens: 1 prompt tokens + {10**12} new tokens exceed "
+                                              "the model's context of 1024 tokens (at most 1023 new tokens fit)"),
+    (["hi " * 1100, "--max-new-tokens", "1"], "the prompt has 1101 tokens; the model's context is 1024 tokens"),
+])
+def test_prompt_and_new_tokens_must_fit_the_context(tiny_folder, args, message):
+    folder, _, _ = tiny_folder
+    result = _run(*args, "--model", str(folder))
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stderr.strip().splitlines()[-1] == f"Error: {message}"  # after the weight-loading progress bar
 
 
 def test_not_a_model_folder_is_one_line_error(tmp_path):
