@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
                        args.lookahead_config, prompt_lookup_tokens=args.prompt_lookup_tokens,
                        draft_model=draft_model)
     machine["load_average"].append(os.getloadavg()[0])
-    from lookahead.budget import cost_curve_for
+    from lookahead.cost_curve import cost_curve_for
 
     result["cost_curve"] = json.loads(cost_curve_for(model).to_json())
     draft_name = f"first {args.draft_layers} layers of the model" if args.draft_layers else args.draft_model

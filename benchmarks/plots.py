@@ -45,7 +45,8 @@ def plot_cost_curve(curve: dict, path: Path, rates=(0.5, 0.7, 0.9), chain: int =
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from lookahead.budget import CostCurve, best_row_count
+    from lookahead.budget import best_row_count
+    from lookahead.cost_curve import CostCurve
 
     cost = CostCurve(tuple(curve["sizes"]), tuple(curve["ratios"]), curve["base_seconds"], curve["prefix_len"])
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -14,7 +14,8 @@ CHAIN = 8  # draft-chain length used to illustrate the chosen budget
 @click.option("--refresh", is_flag=True, help="Measure again even if a cached curve exists.")
 def calibrate(model_path, refresh) -> None:
     """Print t(k)/t(1) for verifying k rows and how many draft tokens a step verifies at each acceptance rate."""
-    from lookahead.budget import best_row_count, cost_curve_for
+    from lookahead.budget import best_row_count
+    from lookahead.cost_curve import cost_curve_for
     from lookahead.models import ModelLoadError, load_model
 
     try:

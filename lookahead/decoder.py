@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .budget import CostCurve, ObservedCost, plan_batch
+from .budget import plan_batch
+from .cost_curve import CostCurve, ObservedCost
 from .cache import keep_rows_batched, keep_sequences
 from .config import LookaheadConfig
 from .layout import pack_batch

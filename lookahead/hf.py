@@ -16,7 +16,7 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .budget import cost_curve_for
+from .cost_curve import cost_curve_for
 from .cache import check_compactable
 from .config import LookaheadConfig
 from .decoder import DecodeRequest, Decoder

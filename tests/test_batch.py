@@ -12,7 +12,8 @@ from tiny_models import build_tiny_model, repetitive_prompt
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from lookahead import Lookahead, LookaheadConfig
-from lookahead.budget import CostCurve, StepPlanner, plan_batch
+from lookahead.budget import StepPlanner, plan_batch
+from lookahead.cost_curve import CostCurve
 from lookahead.cache import keep_rows_batched, keep_sequences
 from lookahead.drafters import SOURCE_DRAFTER
 from lookahead.tree import DraftTree
@@ -125,7 +126,7 @@ def test_plan_batch_shrinks_the_tree_when_rows_get_dear():
 
 
 def test_batch_cost_curve_is_measured_per_batch_size():
-    from lookahead.budget import batch_sizes, measure_cost_curve
+    from lookahead.cost_curve import batch_sizes, measure_cost_curve
 
     model = build_tiny_model("llama", dtype=torch.float32)
     curve = measure_cost_curve(model, batch_sizes(8), prefix_len=16, repeats=1, batch=8)
@@ -165,7 +166,7 @@ def test_keep_sequences_drops_batch_entries():
 
 
 def test_observed_cost_scales_the_curve_and_stops_a_losing_speculation():
-    from lookahead.budget import ObservedCost
+    from lookahead.cost_curve import ObservedCost
 
     curve = CostCurve((1, 2, 4, 8, 16), (1, 1.05, 1.1, 1.2, 1.6), 0.01, batch=4)
     observed = ObservedCost(curve)

@@ -1,5 +1,5 @@
-"""Tests for lookahead/budget.py: the cost curve (interpolation, JSON, measuring, disk cache), running
-acceptance rates, the per-step choice of tree size / window / draft-chain length, and counterfactual learning."""
+"""Tests for lookahead/budget.py: running acceptance rates, the per-step choice of tree size / window /
+draft-chain length, and counterfactual learning."""
 
 from __future__ import annotations
 
@@ -9,43 +9,14 @@ import torch
 from tiny_models import build_tiny_model
 
 from lookahead import budget
-from lookahead.budget import (AcceptanceRates, CostCurve, StepPlanner, best_chain_length, best_row_count,
-                              cost_curve_for, measure_cost_curve)
+from lookahead.budget import AcceptanceRates, StepPlanner, best_chain_length, best_row_count
+from lookahead.cost_curve import CostCurve
 from lookahead.drafters import DRAFT_MODEL, POOL, PROMPT, SOURCE_DRAFTER
 from lookahead.tree import DraftTree
 
 FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.01, 1.02, 1.05, 1.1, 1.2), 0.05)
 STEEP = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0), 0.05)
 HERE = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.10, 1.69, 1.94, 2.77, 3.08, 2.91), 0.078)  # this CPU
-
-
-def test_cost_curve_interpolates_extrapolates_and_round_trips():
-    curve = CostCurve((1, 2, 4), (1.0, 1.5, 2.5), 0.1)
-    assert curve.ratio(1) == 1.0 and curve.ratio(3) == pytest.approx(2.0) and curve.ratio(6) == pytest.approx(3.5)
-    assert CostCurve.from_json(curve.to_json()) == curve
-
-
-def test_measure_cost_curve_on_a_tiny_model():
-    model = build_tiny_model("llama", dtype=torch.float32)
-    curve = measure_cost_curve(model, sizes=(1, 2, 4), prefix_len=16, repeats=2)
-    assert curve.sizes == (1, 2, 4) and curve.ratios[0] == 1.0 and curve.base_seconds > 0
-    assert all(r > 0 for r in curve.ratios) and curve.prefix_len == 16
-
-
-def test_cost_curve_for_caches_on_disk_and_in_memory(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
-    monkeypatch.setattr(budget, "_MEMORY", {})
-    calls = []
-    monkeypatch.setattr(budget, "measure_cost_curve", lambda model, sizes, batch: calls.append(batch) or FLAT)
-    model = build_tiny_model("llama")
-    assert cost_curve_for(model, quiet=True) == FLAT and len(calls) == 1
-    assert cost_curve_for(model, quiet=True) == FLAT and len(calls) == 1  # memory
-    monkeypatch.setattr(budget, "_MEMORY", {})
-    assert cost_curve_for(model, quiet=True) == FLAT and len(calls) == 1  # disk
-    assert len(list((tmp_path / "cost").glob("*.json"))) == 1
-    cost_curve_for(model, refresh=True, quiet=True)
-    cost_curve_for(model, quiet=True, batch=4)  # another batch size: its own curve and file
-    assert calls == [1, 1, 4] and len(list((tmp_path / "cost").glob("*.json"))) == 2
 
 
 def test_acceptance_rates_follow_the_counts_with_decay():
