@@ -7,10 +7,14 @@ distribution, and with `seed` the same request gives the same tokens. Responses 
 `lookahead` field (tokens per step, ...).
 
 Concurrency: the model is not thread-safe, so one worker thread runs the generations one at a time, in arrival
-order (at most `max_queue` waiting, then 503). Tokens reach the request's coroutine through an asyncio queue as
-soon as a step commits them; a client that disconnects sets its job's cancel flag, which a stopping criterion
-checks after every committed token. After each generation, prompt + output go into the `SuffixCache`, which
-drafts for later requests (editors re-send almost the same file on every keystroke).
+order (at most `max_queue` waiting behind the running one, then 503). Tokens reach the request's coroutine
+through an asyncio queue as soon as a step commits them; a client that disconnects sets its job's cancel flag,
+which a stopping criterion checks after every committed token; shutting down (Ctrl-C) sets every job's flag.
+After each generation, prompt + output go into the `SuffixCache`, which drafts for later requests (editors
+re-send almost the same file on every keystroke).
+
+Who may send requests (Host, Origin, API key, content type) is `server_guard`'s job; connection limits,
+timeouts and the prompt shutdown are `server_http`'s.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -36,6 +41,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .config import LookaheadConfig
 from .hf import Lookahead
+from .server_guard import LOOPBACK_HOSTS, RequestGuard, check_origin
 from .server_schema import (APIError, ChatRequest, Completion, CompletionRequest, ResponseShape, Sampling,
                             parse_body, sampling, speculation_stats, sse, stop_strings)
 from .suffix_cache import SuffixCache
@@ -44,6 +50,7 @@ log = logging.getLogger("lookahead.server")
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+RETRY_AFTER = {"retry-after": "1"}  # seconds, on 503s: the queue moves every generation, shutdown is quick
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,11 @@ class ServerSettings:
 
     model_name: the `model` clients send (others get 400); config: the speculation settings of every request;
     context_length: prompt + completion cap in tokens (None: the model's `max_position_embeddings`);
-    max_body_bytes: request bodies above this get 413; max_queue: generations waiting beyond this get 503.
+    max_body_bytes: request bodies above this get 413; max_queue: generations waiting (behind the running one)
+    beyond this get 503. Access (see `server_guard`): api_key: required as `Authorization: Bearer` (None: no
+    key); allowed_hosts: `Host` names served (`allowed_hosts_for(bind)`); allow_origins: browser origins allowed
+    cross-origin. Connections (see `server_http`): max_connections open at once; request_timeout: seconds a
+    client has to send a complete request after connecting or after the previous response.
     """
 
     model_name: str = DEFAULT_MODEL_NAME
@@ -60,6 +71,11 @@ class ServerSettings:
     context_length: int | None = None
     max_body_bytes: int = 1 << 20
     max_queue: int = 32
+    api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS
+    allow_origins: tuple[str, ...] = ()
+    max_connections: int = 64
+    request_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -70,6 +86,16 @@ class ServerSettings:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must be a non-empty string")
+        if not self.allowed_hosts:
+            raise ValueError("allowed_hosts must name at least one host")
+        for origin in self.allow_origins:
+            check_origin(origin)
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
 
 
 def model_name_for(path: str | None) -> str:
@@ -218,6 +244,7 @@ class Engine:
         self._tokenizer_lock = threading.Lock()
         self._lock = threading.Lock()
         self._jobs: set[_Job] = set()  # submitted and not finished
+        self._closing = False  # set by `cancel_all`: new jobs are refused
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookahead-generate")
         self.last_completion: Completion | None = None  # the latest finished job (reported by /health)
 
@@ -248,24 +275,37 @@ class Engine:
               params: Sampling) -> JobStream:
         """Queue a generation; returns its `JobStream` (call from the event loop).
 
-        Raises `APIError` (503) when `max_queue` jobs are already waiting.
+        Raises `APIError` (503) when `max_queue` jobs are already waiting behind the running one, or when the
+        server is shutting down.
         """
         cancel = threading.Event()
         stream = JobStream(cancel)
         job = _Job(torch.tensor([input_ids], dtype=torch.long), max_new_tokens, stops, params, cancel, stream.emit)
         with self._lock:
-            if len(self._jobs) >= self.max_queue:
-                raise APIError(503, f"server busy: {len(self._jobs)} generations queued; retry later",
-                               type="server_error", code="server_busy")
+            if self._closing:
+                raise shutting_down()
+            if len(self._jobs) > self.max_queue:  # one of them is running
+                raise APIError(503, f"server busy: {len(self._jobs) - 1} generations waiting; retry later",
+                               type="server_error", code="server_busy", headers=RETRY_AFTER)
             self._jobs.add(job)
         self._executor.submit(self._run, job)
         return stream
 
-    def close(self) -> None:
-        """Cancel every job and wait for the worker to drain (each cancelled job ends within one step)."""
+    def cancel_all(self) -> None:
+        """Refuse new jobs and cancel every submitted one (each running job ends within one step)."""
         with self._lock:
+            self._closing = True
             for job in self._jobs:
                 job.cancel.set()
+
+    @property
+    def closing(self) -> bool:
+        """Whether `cancel_all` was called (the server is shutting down)."""
+        return self._closing
+
+    def close(self) -> None:
+        """Cancel every job and wait for the worker to drain."""
+        self.cancel_all()
         self._executor.shutdown(wait=True)
 
     def _run(self, job: _Job) -> None:
@@ -347,6 +387,7 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
     async def _too_large(self, scope, receive, send) -> None:
+        """Answer 413 and close the connection (the rest of the body is not read)."""
         error = APIError(413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large")
         await JSONResponse(error.body(), status_code=413, headers={"connection": "close"})(scope, receive, send)
 
@@ -433,14 +474,23 @@ class _Handlers:
         stream = self.engine.start(ids, budget, stop_strings(body), params)
         shape = ResponseShape(chat, self.settings.model_name)
         if body.stream:
-            return StreamingResponse(_sse_events(stream, shape), media_type="text/event-stream",
+            return StreamingResponse(_sse_events(stream, shape, self.engine), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
                                      background=BackgroundTask(stream.cancel))
-        return JSONResponse(shape.whole(await _collect(stream, request)))
+        completion = await _collect(stream, request)
+        if completion.finish_reason == "cancelled":  # by shutdown (a client that left gets no answer anyway)
+            raise shutting_down()
+        return JSONResponse(shape.whole(completion))
+
+
+def shutting_down() -> APIError:
+    """The 503 answered while the server shuts down."""
+    return APIError(503, "server is shutting down; the generation was cancelled", type="server_error",
+                    code="server_shutting_down", headers=RETRY_AFTER)
 
 
 async def _collect(stream: JobStream, request: Request) -> Completion:
-    """Wait for the job's completion, cancelling it if the client disconnects meanwhile."""
+    """Wait for the job's completion, cancelling it if the client disconnects (or this task is cancelled)."""
     async def watch_disconnect():
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -453,11 +503,13 @@ async def _collect(stream: JobStream, request: Request) -> Completion:
                 return payload
     finally:
         watcher.cancel()
+        stream.cancel()  # no-op once done
     raise RuntimeError("generation ended without a result")  # events() always ends with "done" or raises
 
 
-async def _sse_events(stream: JobStream, shape: ResponseShape):
-    """Server-sent events of one streamed response: chunks as tokens commit, the final chunk, `[DONE]`."""
+async def _sse_events(stream: JobStream, shape: ResponseShape, engine: Engine):
+    """Server-sent events of one streamed response: chunks as tokens commit, the final chunk, `[DONE]`; a
+    generation cancelled by shutdown ends with an in-band error instead (the status line is already sent)."""
     sent = ""
     try:
         if shape.chat:
@@ -466,6 +518,9 @@ async def _sse_events(stream: JobStream, shape: ResponseShape):
             if kind == "delta":
                 sent += payload
                 yield sse(shape.chunk(payload))
+            elif payload.finish_reason == "cancelled" and engine.closing:
+                yield sse(shutting_down().body())
+                return
             else:
                 rest = payload.text[len(sent):] if payload.text.startswith(sent) else ""
                 yield sse(shape.last_chunk(payload, rest))
@@ -486,14 +541,15 @@ def _error_response(request: Request, exc: Exception) -> JSONResponse:
     else:
         log.exception("unhandled error", exc_info=exc)
         error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def create_app(model, tokenizer, settings: ServerSettings | None = None, cache: SuffixCache | None = None) -> Starlette:
     """The ASGI app serving `model` (a transformers causal LM) with `tokenizer`.
 
     `cache`: the cross-request drafter (None: no cross-request drafts). The app's `state.engine` is the
-    `Engine`; it is closed (jobs cancelled, worker joined) when the app shuts down.
+    `Engine`; it is closed (jobs cancelled, worker joined) when the app shuts down. `state.settings` are the
+    settings (`server_http.make_server` reads its connection limits there).
     """
     settings = settings or ServerSettings()
     context = settings.context_length or model.config.get_text_config().max_position_embeddings
@@ -510,15 +566,17 @@ def create_app(model, tokenizer, settings: ServerSettings | None = None, cache: 
                 Route("/v1/models", handlers.models, methods=["GET"]),
                 Route("/v1/completions", handlers.completions, methods=["POST"]),
                 Route("/v1/chat/completions", handlers.chat, methods=["POST"])],
-        middleware=[Middleware(BodyLimit, max_bytes=settings.max_body_bytes)],
+        middleware=_middleware(settings),
         exception_handlers={Exception: _error_response, HTTPException: _error_response, APIError: _error_response},
         lifespan=lifespan)
-    app.state.engine = engine
+    app.state.engine, app.state.settings = engine, settings
     return app
 
 
-def run_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `app` with uvicorn until interrupted (Ctrl-C)."""
-    import uvicorn
-
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+def _middleware(settings: ServerSettings) -> list[Middleware]:
+    """Outermost first: the access checks, CORS for the allowed origins (if any), the body limit."""
+    cors = [Middleware(CORSMiddleware, allow_origins=list(settings.allow_origins), allow_methods=["GET", "POST"],
+                       allow_headers=["*"])] if settings.allow_origins else []
+    return [Middleware(RequestGuard, allowed_hosts=settings.allowed_hosts, allow_origins=settings.allow_origins,
+                       api_key=settings.api_key),
+            *cors, Middleware(BodyLimit, max_bytes=settings.max_body_bytes)]

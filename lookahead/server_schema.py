@@ -2,8 +2,10 @@
 
 Requests are parsed strictly (no string-to-number coercion); unknown fields are ignored so that newer clients
 keep working, but known OpenAI fields lookahead cannot honour (n > 1, logprobs, echo, penalties, ...) are
-rejected with a 400 naming the field, never silently dropped. Every error is an `APIError`, rendered as
-OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+rejected with a 400 naming the field, never silently dropped. Bodies that are JSON but not text (a lone
+surrogate such as `"\ud800"`), nest deeper than `MAX_DEPTH`, or hold numbers Python will not parse (NaN,
+Infinity, integers over 4300 digits) are 400s as well. Every error is an `APIError`, rendered as OpenAI's
+`{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
@@ -17,15 +19,18 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOP_STRINGS = 16
+MAX_DEPTH = 32  # nesting of a request body; OpenAI bodies nest 4 deep (messages[0].content[0].text)
+MAX_SEED = 2**63 - 1  # `LookaheadConfig.seed`'s range
 
 
 class APIError(Exception):
     """An error answered as OpenAI-style JSON with HTTP `status`; `param` names the offending field."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers  # extra response headers (`retry-after`, `www-authenticate`)
 
     def body(self) -> dict:
         """The JSON body: `{"error": {"message", "type", "param", "code"}}`."""
@@ -42,7 +47,7 @@ class _Request(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stream: bool | None = None
     stream_options: dict | None = None  # accepted; usage is always sent with the final chunk
     n: int | None = None
@@ -106,18 +111,61 @@ class Sampling:
 
 def parse_body(raw: bytes, schema: type[_Request]) -> _Request:
     """Parse and validate a JSON request body into `schema`; raise `APIError` (400) naming the bad field."""
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    data = _load_json(raw)
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    _check_tree(data)
     try:
         request = schema.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc) from None
     _check_common(request)
     return request
+
+
+def _load_json(raw: bytes):
+    """`raw` parsed as JSON; `APIError` (400) for invalid JSON, NaN/Infinity, integers over Python's 4300-digit
+    limit and nesting too deep for the parser."""
+    def no_constant(name: str):
+        raise APIError(400, f"request body is not valid JSON: {name} is not a JSON number")
+
+    try:
+        return json.loads(raw, parse_constant=no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, f"request body nests deeper than {MAX_DEPTH} levels") from None
+    except ValueError:  # int("9" * 5000): Python refuses integers over sys.get_int_max_str_digits() digits
+        raise APIError(400, "request body holds an integer with too many digits") from None
+
+
+def _check_tree(data: dict) -> None:
+    """`APIError` (400, naming the path) for a body nested deeper than `MAX_DEPTH` or holding a string (value or
+    key) that is not text: JSON can escape a lone UTF-16 surrogate (`"\ud800"`), which no tokenizer can encode.
+    Iterative, so no depth can overflow the stack."""
+    stack = [("", data, 1)]
+    while stack:
+        path, value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise APIError(400, f"request body nests deeper than {MAX_DEPTH} levels")
+        if isinstance(value, str) and not _is_text(value):
+            raise APIError(400, f"{path}: string holds a lone UTF-16 surrogate (not text)", param=path)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not _is_text(key):
+                    raise APIError(400, "request body has a key holding a lone UTF-16 surrogate (not text)")
+                stack.append((f"{path}.{key}" if path else key, item, depth + 1))
+        elif isinstance(value, list):
+            stack += [(f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value)]
+
+
+def _is_text(value: str) -> bool:
+    """Whether `value` is encodable text (no lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _validation_error(exc: ValidationError) -> APIError:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-import uvicorn
 from openai import OpenAI
+from server_helpers import serving as _serving
 from tiny_models import build_tiny_model
 
 from lookahead import Lookahead, LookaheadConfig, load_model
@@ -40,27 +39,6 @@ PROMPTS = [
     "<html><body><h1>",
     "Dear Sir or Madam,\n\n",
 ]
-
-
-@contextlib.contextmanager
-def _serving(app):
-    """Run `app` with uvicorn on a free loopback port in a thread; yields the base URL; stops on exit."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -275,14 +253,15 @@ def test_bad_requests_get_openai_errors(url, path, body, status, param):
 def test_method_and_size_limits(url):
     assert httpx.get(f"{url}/v1/completions").status_code == 405
     big = json.dumps({"prompt": "x" * (MAX_BODY + 10)}).encode()
-    declared = httpx.post(f"{url}/v1/completions", content=big)
+    json_type = {"content-type": "application/json"}
+    declared = httpx.post(f"{url}/v1/completions", content=big, headers=json_type)
     assert declared.status_code == 413 and declared.json()["error"]["code"] == "request_too_large"
 
     def chunks():  # no Content-Length: the limit is enforced while reading
         for i in range(0, len(big), 8192):
             yield big[i: i + 8192]
 
-    streamed = httpx.post(f"{url}/v1/completions", content=chunks())
+    streamed = httpx.post(f"{url}/v1/completions", content=chunks(), headers=json_type)
     assert streamed.status_code == 413
     assert httpx.get(f"{url}/health").json()["status"] == "ok"  # and the server lives on
 
@@ -358,16 +337,19 @@ def test_full_queue_answers_503(tiny, tokenizer, monkeypatch):
     generate = engine._generate
     monkeypatch.setattr(engine, "_generate", lambda job: gate.wait(30) and generate(job))  # hold the worker
     body = {"prompt": PROMPTS[4], "max_tokens": 4}
-    with _serving(app) as url, ThreadPoolExecutor(max_workers=1) as pool:
-        first = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
-        deadline = time.monotonic() + 30
-        while not engine.queued:
-            assert time.monotonic() < deadline and not first.done()
-            time.sleep(0.02)
+    with _serving(app) as url, ThreadPoolExecutor(max_workers=2) as pool:
+        admitted = []
+        for queued in (1, 2):  # the running generation, then max_queue=1 waiting behind it
+            admitted.append(pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60))
+            deadline = time.monotonic() + 30
+            while engine.queued < queued:
+                assert time.monotonic() < deadline and not admitted[-1].done()
+                time.sleep(0.02)
         busy = httpx.post(f"{url}/v1/completions", json=body)
         gate.set()
         assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_busy"
-        assert first.result().status_code == 200
+        assert busy.headers["retry-after"] == "1"
+        assert [f.result().status_code for f in admitted] == [200, 200]
 
 
 def test_default_model_end_to_end(default_model):

@@ -1,0 +1,32 @@
+"""Running `lookahead.server` apps for the tests: on a free loopback port, in a thread, as `lookahead serve` does."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+from lookahead.server_http import make_server
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Run `app` with `make_server` (the CLI's limits and timeouts) on a free loopback port in a thread; yields
+    the base URL; stops the server on exit."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = make_server(app, "127.0.0.1", port, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
