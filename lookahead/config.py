@@ -16,6 +16,9 @@ class LookaheadConfig:
         pool is fed by the window and, when `pool_from_text`, by committed text.
       - prompt lookup: up to `prompt_candidates` continuations of suffix matches in prompt + output (0 = off),
         matching suffixes of `prompt_min_ngram..prompt_max_ngram` tokens.
+      - recycle: token recycling, a draft tree of up to `recycle_nodes` nodes (0 = off) grown from the root
+        over a table of the target's own top-`recycle_k` next tokens per token, kept from every verification
+        forward (see `recycle.py`).
       - shared: up to `shared_candidates` continuations from a cross-request drafter, when one is given.
       - draft model: a chain of up to `draft_tokens` tokens per step, when a draft model is given.
     Every candidate is at most `max_draft_len` tokens; the merged trie keeps at most `tree_budget` nodes
@@ -23,6 +26,9 @@ class LookaheadConfig:
     With `adaptive` (the default) `tree_budget` and the window are upper bounds: each step keeps only the
     nodes and window rows that pay for themselves on the measured cost curve (see `budget.py`); with
     `adaptive=False` every step verifies the full tree and window.
+    `packed_linear` (CPU, fp32): run the model's linear layers on oneDNN-prepacked weights during generation
+    (`packed_linear.py`), which makes a forward of several rows nearly as cheap as one row; speculative and
+    plain steps (`off()`) then use the same arithmetic.
     `seed` (sampling only): draw the token at sequence index t by Gumbel-max with noise from (seed, t), so the
     same seed gives the same tokens with or without speculation; None samples from a generator seeded by
     torch's global RNG.
@@ -36,12 +42,15 @@ class LookaheadConfig:
     pool_max_keys: int = 16384
     prompt_candidates: int = 3
     shared_candidates: int = 3
+    recycle_nodes: int = 12
+    recycle_k: int = 8
     draft_tokens: int = 4
     prompt_min_ngram: int = 1
     prompt_max_ngram: int = 4
     max_draft_len: int = 8
     tree_budget: int = 16
     adaptive: bool = True
+    packed_linear: bool = True
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -52,6 +61,8 @@ class LookaheadConfig:
         _check_range("pool_max_keys", self.pool_max_keys, 1, 1 << 22)
         _check_range("prompt_candidates", self.prompt_candidates, 0, 64)
         _check_range("shared_candidates", self.shared_candidates, 0, 64)
+        _check_range("recycle_nodes", self.recycle_nodes, 0, 256)
+        _check_range("recycle_k", self.recycle_k, 1, 64)
         _check_range("draft_tokens", self.draft_tokens, 1, 64)
         _check_range("prompt_min_ngram", self.prompt_min_ngram, 1, 64)
         _check_range("prompt_max_ngram", self.prompt_max_ngram, self.prompt_min_ngram, 64)
@@ -59,7 +70,7 @@ class LookaheadConfig:
         _check_range("tree_budget", self.tree_budget, 0, 1024)
         if self.seed is not None:
             _check_range("seed", self.seed, 0, 2**63 - 1)
-        for name in ("pool_from_text", "adaptive"):
+        for name in ("pool_from_text", "adaptive", "packed_linear"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -76,12 +87,13 @@ class LookaheadConfig:
     @property
     def speculates(self) -> bool:
         """Whether any draft can be verified (False means one token per step)."""
-        return self.tree_budget > 0 and (self.pool_candidates > 0 or self.prompt_candidates > 0)
+        return self.tree_budget > 0 and (self.pool_candidates > 0 or self.prompt_candidates > 0
+                                         or self.recycle_nodes > 0)
 
     @classmethod
     def off(cls) -> "LookaheadConfig":
         """A config with speculation turned off: the same loop, one token per step (`--mode off`)."""
-        return cls(window_levels=0, pool_candidates=0, prompt_candidates=0, tree_budget=0)
+        return cls(window_levels=0, pool_candidates=0, prompt_candidates=0, recycle_nodes=0, tree_budget=0)
 
     def with_overrides(self, **overrides) -> "LookaheadConfig":
         """Return a copy with the given fields replaced; unknown names raise `ValueError` listing valid ones."""

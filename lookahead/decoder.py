@@ -59,7 +59,8 @@ class Decoder:
         self.sequences: list[Sequence] = []
         self.active: list[int] = []  # indices into `sequences`, in the cache's batch order
         self.cut_at_stop = request.pad_finished or request.input_ids.shape[0] == 1
-        self.observed = ObservedCost(request.batch_cost_curve)
+        batch = request.input_ids.shape[0]
+        self.observed = ObservedCost(request.batch_cost_curve if batch > 1 else request.cost_curve)
 
     @torch.no_grad()
     def run(self) -> torch.Tensor:
@@ -127,24 +128,27 @@ class Decoder:
         self._retire()
         self.stats.draft_time += t1 - t0
         self.stats.forward_time += t2 - t1
-        if len(sequences) > 1:
-            self.observed.record(inputs.input_ids.shape[1], t2 - t1)
+        self.observed.record(inputs.input_ids.shape[1], t2 - t1)
         self.stats.verify_time += time.perf_counter() - t2
 
     def _plan(self, sequences: list[Sequence]) -> tuple[list, list[bool]]:
         """Each sequence's pruned tree and whether its window runs: the planner's choice for one sequence,
-        one common tree size (no windows) for a batch."""
+        one common tree size (no windows) for a batch. The cost curve is taken at the current cache length and
+        corrected by the generation's own timed steps, so the first step with a curve is a plain one (the
+        reference time)."""
         candidates = [s.candidates() for s in sequences]
-        if len(sequences) == 1 and self.request.input_ids.shape[0] == 1:
+        batch = self.request.input_ids.shape[0]
+        if len(sequences) == 1 and batch > 1:  # the last row of a batch: its own curve, uncorrected
+            return plan_batch([sequences[0].planner], candidates, self.request.cost_curve), [False]
+        curve = self.request.cost_curve if batch == 1 else self.request.batch_cost_curve
+        if curve is not None and not self.observed.has_plain:
+            return [tree.prune(0) for tree in candidates], [False] * len(sequences)
+        corrected = self.observed.corrected(curve, self.prefix_len)
+        if batch == 1:
+            sequences[0].planner.curve = corrected
             tree, use_window = sequences[0].planner.plan(candidates[0])
             return [tree], [use_window]
-        if len(sequences) == 1:
-            return plan_batch([sequences[0].planner], candidates, self.request.cost_curve), [False]
-        curve = self.request.batch_cost_curve
-        if curve is not None and not self.observed.has_plain:  # time one plain step first: the reference
-            return [tree.prune(0) for tree in candidates], [False] * len(sequences)
-        trees = plan_batch([s.planner for s in sequences], candidates, curve, self.observed.scale())
-        return trees, [False] * len(sequences)
+        return plan_batch([s.planner for s in sequences], candidates, corrected), [False] * len(sequences)
 
     def _limit(self) -> int:
         """The length no sequence may pass: `max_length`, or once every sequence has stopped, the longest

@@ -21,6 +21,7 @@ from .cache import check_compactable
 from .config import LookaheadConfig
 from .decoder import DecodeRequest, Decoder
 from .draft_model import check_draft_model
+from .packed_linear import packed_linears
 from .stats import DecodeStats
 
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
@@ -51,6 +52,13 @@ class Lookahead:
                  generation_config: GenerationConfig, synced_gpus: bool = False,
                  lookahead_streamer=None, **model_kwargs):
         """Decoding loop called by `generate`; returns what `generate` would (sequences or a dict output)."""
+        with packed_linears(model, self.config.packed_linear):
+            return self._generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                  lookahead_streamer, model_kwargs)
+
+    def _generate(self, model, input_ids, logits_processor, stopping_criteria, generation_config,
+                  lookahead_streamer, model_kwargs):
+        """The body of `__call__`, run with the linear layers chosen by the config."""
         _check_generation_config(generation_config, input_ids)
         max_slots = generation_config.max_length + self.config.tree_budget + self.config.window_size
         check_compactable(model_kwargs.get("past_key_values"), max_slots, input_ids.shape[0])  # before any forward

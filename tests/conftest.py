@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tiny_models import build_tiny_model
+
+from lookahead import hf
+from lookahead.cost_curve import CURVE_SIZES, CostCurve
 
 # Triton has no CPU backend: kernels run under its interpreter, which must be switched on before triton is
 # first imported anywhere in the session (transformers imports it early).
@@ -18,3 +23,17 @@ if not torch.cuda.is_available():
 def tiny_model():
     """The `build_tiny_model(family=..., dtype=..., seed=..., vocab=..., layers=..., **overrides)` factory."""
     return build_tiny_model
+
+
+# Tests never measure a cost curve on the machine running them: generation plans on this injected curve (shaped
+# like the goal on a CPU: 8 rows ~1.2x, 16 rows ~1.4x a one-row step). Tests of the measurement itself call
+# `lookahead.cost_curve` functions directly.
+INJECTED_CURVE = CostCurve(CURVE_SIZES, (1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.7, 2.0, 2.6, 3.2), 0.05)
+
+
+@pytest.fixture(autouse=True)
+def injected_cost_curve(monkeypatch):
+    """Every `Lookahead` call in a test plans on INJECTED_CURVE (for any batch size)."""
+    monkeypatch.setattr(hf, "cost_curve_for", lambda model, refresh=False, quiet=False, batch=1:
+                        replace(INJECTED_CURVE, batch=batch))
+    return INJECTED_CURVE

@@ -1,0 +1,179 @@
+"""CPU linear layers with oneDNN-prepacked weights, so a forward of 2–16 rows costs about what one row costs.
+
+PyTorch's default fp32 CPU matmul re-packs the weight matrix on every call and picks a slower kernel for a few
+rows than for one, so on a bandwidth-bound decode step verifying k > 1 rows cost ~1.7x one row. Packing each
+`nn.Linear`'s weight once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) and calling
+`torch.ops.mkldnn._linear_pointwise` removes most of that, and makes the one-row step faster too. Sibling
+projections that read the same input (q/k/v, gate/up) are packed as one matrix and computed by one call: fewer,
+larger products keep both cores busy (`benchmarks/bench_step.py` measures all of this).
+
+`packed_linears(model)` swaps the packed modules in for the duration of a generation and puts the original
+`nn.Linear` modules back afterwards; the packed weights are built once per model and kept on it. A packed weight
+whose source parameter changed in place (or was replaced) is re-packed before use, so stale weights are never
+used. Only fp32 `nn.Linear` layers on the CPU are packed, when PyTorch has oneDNN; everything else is left as is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+_CACHE_ATTR = "_lookahead_packed_linears"
+# Sibling projections of one block that transformers' decoder layers call on the same input tensor.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def packing_available(model: nn.Module) -> bool:
+    """Whether `packed_linears` would pack anything: oneDNN present and an fp32 `nn.Linear` on the CPU."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return any(_packable(module) for module in model.modules())
+
+
+@contextlib.contextmanager
+def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Within the block, every packable `nn.Linear` of `model` runs on prepacked weights; yields how many
+    layers were swapped (0 when disabled or nothing is packable). The originals are restored on exit, also on
+    error. Not re-entrant for the same model (a nested call swaps nothing more)."""
+    if not enabled or not torch.backends.mkldnn.is_available() or getattr(model, "_lookahead_packed_on", False):
+        yield 0
+        return
+    swaps = _packed_modules(model)
+    for parent, name, packed in swaps:
+        setattr(parent, name, packed)
+    model._lookahead_packed_on = True
+    try:
+        yield len(swaps)
+    finally:
+        for parent, name, packed in swaps:
+            setattr(parent, name, packed.linear)
+        model._lookahead_packed_on = False
+
+
+def _packable(module: nn.Module) -> bool:
+    """An fp32 CPU `nn.Linear` (subclasses with their own forward, e.g. quantized layers, are left alone)."""
+    return (type(module) is nn.Linear and module.weight.device.type == "cpu"
+            and module.weight.dtype == torch.float32)
+
+
+def _packed_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute name, packed replacement) for every packable linear; built once and kept on `model`
+    (the replacements re-pack themselves when their weights change)."""
+    cached = model.__dict__.get(_CACHE_ATTR)
+    if cached is None:
+        cached = []
+        for parent in model.modules():
+            cached.extend(_pack_children(parent))
+        model.__dict__[_CACHE_ATTR] = cached
+    return cached
+
+
+def _pack_children(parent: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Packed replacements for the packable direct children of `parent`, sibling groups fused."""
+    children = {name: child for name, child in parent.named_children() if _packable(child)}
+    swaps, grouped = [], set()
+    for names in FUSED_GROUPS:
+        members = [children.get(name) for name in names]
+        if all(m is not None for m in members) and _fusable(members):
+            group = FusedGroup(members)
+            swaps.extend((parent, name, FusedMember(group, i)) for i, name in enumerate(names))
+            grouped.update(names)
+    swaps.extend((parent, name, PackedLinear(child)) for name, child in children.items() if name not in grouped)
+    return swaps
+
+
+def _fusable(members: list[nn.Linear]) -> bool:
+    """Same input width and all with or all without bias."""
+    return (len({m.in_features for m in members}) == 1 and len({m.bias is None for m in members}) == 1)
+
+
+class _PackedWeights:
+    """One prepacked weight built from one or more linears' weights (rows stacked), re-packed when any source
+    parameter changed in place or was replaced."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.linears = linears
+        self.stamp = None
+        self.weight = self.bias = None
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(packed weight, bias or None), fresh for the current parameters."""
+        stamp = tuple((id(m.weight), m.weight._version, None if m.bias is None else (id(m.bias), m.bias._version))
+                      for m in self.linears)
+        if stamp != self.stamp:
+            with torch.no_grad():
+                weight = torch.cat([m.weight.detach() for m in self.linears]).contiguous()  # [N_total, K]
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+                has_bias = self.linears[0].bias is not None
+                self.bias = torch.cat([m.bias.detach() for m in self.linears]) if has_bias else None
+            self.stamp = stamp
+        return self.weight, self.bias
+
+
+def _linear(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
+    """x [..., K] → [..., N] with the packed weight."""
+    weight, bias = packed.get()
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class PackedLinear(nn.Module):
+    """Drop-in for one `nn.Linear` (same input and output) computed with a prepacked weight."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        object.__setattr__(self, "linear", linear)  # not a submodule: its parameters are registered below
+        self.weight, self.bias = linear.weight, linear.bias  # the same Parameters: state_dict keys unchanged
+        self.packed = _PackedWeights([linear])
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] → [..., out]."""
+        if x.dtype != torch.float32 or x.requires_grad:
+            return self.linear(x)
+        return _linear(x, self.packed)
+
+
+class FusedGroup:
+    """Sibling linears that read the same input, packed as one matrix: the first call with a new input computes
+    all of them and the others take their slice of that result."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.linears = linears
+        self.packed = _PackedWeights(linears)
+        bounds = [0]
+        for linear in linears:
+            bounds.append(bounds[-1] + linear.out_features)
+        self.bounds = bounds
+        self.key = None  # (input object, its version) of the held result
+        self.result = None
+
+    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Member `index`'s output for x [..., in] → [..., out_index] (contiguous)."""
+        key = (x, x._version)
+        if self.key is None or self.key[0] is not x or self.key[1] != x._version:
+            self.result, self.key = _linear(x, self.packed), key
+        out = self.result[..., self.bounds[index]: self.bounds[index + 1]].contiguous()
+        if index == len(self.linears) - 1:
+            self.result = self.key = None  # every member has read it: do not hold activations
+        return out
+
+
+class FusedMember(nn.Module):
+    """Drop-in for one linear of a `FusedGroup` (same input and output as the original)."""
+
+    def __init__(self, group: FusedGroup, index: int):
+        super().__init__()
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "linear", group.linears[index])
+        self.weight, self.bias = self.linear.weight, self.linear.bias  # the same Parameters (see PackedLinear)
+        self.index = index
+        self.in_features, self.out_features = self.linear.in_features, self.linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] → [..., out]."""
+        if x.dtype != torch.float32 or x.requires_grad:
+            return self.linear(x)
+        return self.group.output(x, self.index)

@@ -1,0 +1,107 @@
+"""Tests for lookahead/packed_linear.py: the same products as `nn.Linear`, swapped in and out cleanly, never
+stale, fused siblings right in any call order, and greedy generation through them identical to plain greedy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import build_tiny_model, repetitive_prompt
+from torch import nn
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from lookahead import Lookahead, LookaheadConfig
+from lookahead.packed_linear import FusedGroup, FusedMember, PackedLinear, packed_linears, packing_available
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
+def test_packed_linear_computes_the_linear_product(bias, rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear(linear)
+    for x in (torch.randn(rows, 48), torch.randn(2, rows, 48)):
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_weight_follows_in_place_changes_and_replacements():
+    linear = nn.Linear(16, 24, bias=True)
+    packed = PackedLinear(linear)
+    x = torch.randn(3, 16)
+    packed(x)
+    with torch.no_grad():
+        linear.weight.mul_(2.0)
+        linear.bias.add_(1.0)
+    torch.testing.assert_close(packed(x), linear(x))
+    linear.weight = nn.Parameter(torch.randn(24, 16))
+    torch.testing.assert_close(packed(x), linear(x))
+
+
+def test_fused_siblings_give_each_linear_its_own_output_in_any_call_order():
+    torch.manual_seed(0)
+    linears = [nn.Linear(32, n, bias=False) for n in (32, 16, 16)]
+    group = FusedGroup(linears)
+    members = [FusedMember(group, i) for i in range(3)]
+    x, y = torch.randn(5, 32), torch.randn(5, 32)
+    for order in ([0, 1, 2], [2, 0, 1], [1, 1, 0, 2]):
+        for i in order:
+            torch.testing.assert_close(members[i](x), linears[i](x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(members[0](x), linears[0](x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(members[1](y), linears[1](y), rtol=1e-5, atol=1e-5)  # another input: recomputed
+    x.add_(1.0)  # the same tensor changed in place: recomputed
+    torch.testing.assert_close(members[2](x), linears[2](x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_swap_is_undone_and_leaves_parameters_alone():
+    model = build_tiny_model("llama", dtype=torch.float32)
+    before = {name: module for name, module in model.named_modules()}
+    keys = list(model.state_dict())
+    assert packing_available(model)
+    with packed_linears(model) as swapped:
+        assert swapped == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer + the LM head
+        assert isinstance(model.model.layers[0].self_attn.q_proj, FusedMember)
+        assert isinstance(model.lm_head, PackedLinear)
+        assert list(model.state_dict()) == keys
+        with packed_linears(model) as nested:
+            assert nested == 0
+    assert {name: module for name, module in model.named_modules()} == before
+    with pytest.raises(RuntimeError), packed_linears(model):
+        raise RuntimeError("boom")
+    assert model.lm_head is before["lm_head"]  # restored on error too
+
+
+def test_nothing_is_packed_for_fp64_models_or_when_disabled():
+    model = build_tiny_model("llama", dtype=torch.float64)
+    assert not packing_available(model)
+    with packed_linears(model) as swapped:
+        assert swapped == 0
+    with packed_linears(build_tiny_model("llama", dtype=torch.float32), enabled=False) as swapped:
+        assert swapped == 0
+
+
+class _LinearTypes(LogitsProcessor):
+    """Records the type of the model's LM head at every decoding step."""
+
+    def __init__(self, model):
+        self.model, self.seen = model, set()
+
+    def __call__(self, input_ids, scores):
+        self.seen.add(type(self.model.lm_head).__name__)
+        return scores
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma", "phi3"])
+@pytest.mark.parametrize("config", [LookaheadConfig(), LookaheadConfig.off()], ids=["speculate", "off"])
+def test_greedy_through_packed_linears_is_plain_greedy(family, config):
+    model = build_tiny_model(family, dtype=torch.float32, seed=3, layers=3)
+    for seed in range(2):
+        prompt = repetitive_prompt(seed)
+        plain = model.generate(prompt, do_sample=False, max_new_tokens=40)
+        spy = _LinearTypes(model)
+        decoder = Lookahead(config)
+        fast = model.generate(prompt, do_sample=False, max_new_tokens=40, custom_generate=decoder,
+                              logits_processor=LogitsProcessorList([spy]))
+        assert torch.equal(plain, fast)
+        assert spy.seen == {"PackedLinear"}  # the generation really ran on packed weights
+    assert type(model.lm_head) is nn.Linear
