@@ -31,7 +31,7 @@ def main() -> None:
 @click.option("--compare", is_flag=True, help="Also run plain HF greedy; print the speedup and whether "
                                               "the outputs are identical.")
 @click.option("--sample/--greedy", default=False, show_default=True, help="Sample instead of greedy decoding.")
-@click.option("--temperature", type=float, default=None, help="Sampling temperature (> 0, finite).")
+@click.option("--temperature", type=float, default=None, help="Sampling temperature (finite, >= 1e-5).")
 @click.option("--top-k", type=click.IntRange(min=0), default=None, help="Sample from the k likeliest tokens.")
 @click.option("--top-p", type=float, default=None, help="Nucleus sampling mass, in (0, 1].")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None,

@@ -7,6 +7,7 @@ import math
 import click
 
 from lookahead.config import LookaheadConfig
+from lookahead.sampling import MIN_TEMPERATURE
 
 
 def read_prompt(prompt: str | None, stdin) -> str:
@@ -50,8 +51,8 @@ def sampling_kwargs(sample: bool, temperature: float | None, top_k: int | None, 
         if given:
             raise click.UsageError(f"--{next(iter(given)).replace('_', '-')} needs --sample")
         return {"do_sample": False}
-    if temperature is not None and not (temperature > 0 and math.isfinite(temperature)):
-        raise click.UsageError(f"--temperature must be > 0 and finite, got {temperature}")
+    if temperature is not None and not (temperature >= MIN_TEMPERATURE and math.isfinite(temperature)):
+        raise click.UsageError(f"--temperature must be finite and >= {MIN_TEMPERATURE}, got {temperature}")
     if top_p is not None and not 0 < top_p <= 1:
         raise click.UsageError(f"--top-p must be in (0, 1], got {top_p}")
     return {"do_sample": True, **given}

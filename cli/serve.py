@@ -77,4 +77,7 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, context_length
     cache = SuffixCache(max_tokens=cache_tokens) if drafts_shared else None
     app = create_app(model, tokenizer, settings, cache)
     click.echo(f"lookahead serve: model {settings.model_name!r} at http://{host}:{port}/v1", err=True)
-    run_server(app, host, port)
+    try:
+        run_server(app, host, port)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once its shutdown is complete
+        click.echo("lookahead serve: stopped", err=True)

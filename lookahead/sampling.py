@@ -20,6 +20,9 @@ NodeProbs = Callable[[int, list[int]], torch.Tensor]
 SampledDrafts = dict[int, tuple[int, torch.Tensor]]
 
 _MASK64 = (1 << 64) - 1
+# Smallest sampling temperature the CLI and the server accept: far below it, scores / temperature overflow
+# float32 to +-inf and the softmax has no distribution (`probs_from_scores` raises); 1e-5 is ~argmax already.
+MIN_TEMPERATURE = 1e-5
 
 
 def probs_from_scores(scores: torch.Tensor) -> torch.Tensor:

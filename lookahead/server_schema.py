@@ -18,6 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .sampling import MIN_TEMPERATURE
+
 MAX_STOP_STRINGS = 16
 MAX_DEPTH = 32  # nesting of a request body; OpenAI bodies nest 4 deep (messages[0].content[0].text)
 MAX_SEED = 2**63 - 1  # `LookaheadConfig.seed`'s range
@@ -199,8 +201,10 @@ def _check_common(request: _Request) -> None:
     """Range checks and fields lookahead cannot honour; raise `APIError` (400) naming the field."""
     if request.max_tokens is not None and request.max_tokens < 1:
         raise APIError(400, f"max_tokens must be >= 1, got {request.max_tokens}", param="max_tokens")
-    if request.temperature is not None and not 0 <= request.temperature <= 2:
-        raise APIError(400, f"temperature must be in [0, 2], got {request.temperature}", param="temperature")
+    temperature = request.temperature
+    if temperature is not None and not (temperature == 0 or MIN_TEMPERATURE <= temperature <= 2):
+        raise APIError(400, f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 2], got {temperature}",
+                       param="temperature")
     if request.top_p is not None and not 0 < request.top_p <= 1:
         raise APIError(400, f"top_p must be in (0, 1], got {request.top_p}", param="top_p")
     stops = stop_strings(request)
