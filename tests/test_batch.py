@@ -129,7 +129,7 @@ def test_batch_cost_curve_is_measured_per_batch_size():
     from lookahead.cost_curve import batch_sizes, measure_cost_curve
 
     model = build_tiny_model("llama", dtype=torch.float32)
-    curve = measure_cost_curve(model, batch_sizes(8), prefix_len=16, repeats=1, batch=8)
+    curve = measure_cost_curve(model, batch_sizes(8), prefixes=(16,), repeats=1, batch=8)
     assert curve.batch == 8 and curve.sizes == (1, 2, 4, 8) and curve.ratios[0] == 1.0
     assert CostCurve.from_json(curve.to_json()) == curve
 

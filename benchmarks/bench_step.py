@@ -1,0 +1,267 @@
+"""Where a verification step's time goes: one forward of k = 1, 2, 4, 8, 16 rows, broken down by part.
+
+    python benchmarks/bench_step.py [--model PATH] [--rows 1 2 4 8 16] [--prefix 300] [--repeats 7]
+        [--variants default packed packed-unfused] [--threads 2] [--out benchmarks/results/step-cpu.json] [--plot]
+
+For each linear-layer arithmetic (`default`: PyTorch's own `nn.Linear`; `packed`: oneDNN-prepacked weights with
+q/k/v and gate/up fused, what generation uses; `packed-unfused`: prepacked, every projection on its own) and each
+row count k, a real verification step is built (a draft tree of k nodes: root + a chain of k-1 drafts, packed with
+`layout.pack`, the model's forward with the 4D tree mask on a `--prefix`-token cache, then the cache compaction
+keeping half of the drafts). Parts:
+
+- matmuls by layer kind: attention q/k/v, attention o, MLP gate/up, MLP down, LM head (forward hooks);
+- attention: the attention modules' time outside their projections (RoPE, SDPA, GQA, cache append);
+- cache append: `DynamicCache.update` alone (part of attention);
+- other forward: embeddings, norms, residuals, activations and Python module overhead (forward minus the above);
+- mask building (`layout.pack`) and cache compaction (`cache.keep_rows`), outside the forward.
+
+The forward total ("forward") comes from runs without hooks; the parts from runs with hooks (which add a little
+time of their own, counted in "other forward"). Sizes are interleaved per repeat; each figure is the median.
+Results: JSON (`--out`), a table on stdout and, with `--plot`, a stacked-bar PNG beside the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench_generate import command_line, machine_info, write_json
+
+LINEAR_KINDS = {"q_proj": "attn q/k/v", "k_proj": "attn q/k/v", "v_proj": "attn q/k/v", "qkv_proj": "attn q/k/v",
+                "o_proj": "attn o", "gate_proj": "mlp gate/up", "up_proj": "mlp gate/up",
+                "gate_up_proj": "mlp gate/up", "down_proj": "mlp down", "lm_head": "lm head"}
+PARTS = ("attn q/k/v", "attn o", "mlp gate/up", "mlp down", "lm head", "attention", "other forward",
+         "mask building", "cache compaction")
+VARIANTS = ("default", "packed", "packed-unfused")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Measure every variant and row count; print the table, write JSON (and a plot)."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import lookahead
+
+    model, _ = lookahead.load_model(args.model)
+    result = {"command": command_line(), "machine": machine_info(args.threads), "cpu_flags": cpu_flags(),
+              "prefix": args.prefix, "rows": args.rows, "variants": {}}
+    for variant in args.variants:
+        print(f"measuring {variant} ...", file=sys.stderr)
+        with linear_variant(model, variant):
+            result["variants"][variant] = measure_variant(model, args.rows, args.prefix, args.repeats)
+    print(format_table(result))
+    if args.out:
+        write_json(result, args.out)
+        if args.plot:
+            plot(result, args.out.with_suffix(".png"))
+
+
+@contextlib.contextmanager
+def linear_variant(model, variant: str):
+    """The model's linear layers as `variant` within the block."""
+    from lookahead import packed_linear
+
+    if variant == "default":
+        yield
+        return
+    saved = packed_linear.FUSED_GROUPS
+    packed_linear.FUSED_GROUPS = saved if variant == "packed" else ()
+    model.__dict__.pop(packed_linear._CACHE_ATTR, None)  # rebuild the packed modules with this grouping
+    try:
+        with packed_linear.packed_linears(model):
+            yield
+    finally:
+        packed_linear.FUSED_GROUPS = saved
+        model.__dict__.pop(packed_linear._CACHE_ATTR, None)
+
+
+@torch.no_grad()
+def measure_variant(model, rows: list[int], prefix: int, repeats: int) -> dict:
+    """{k: {"forward": s, part: s, ...}} medians over `repeats` interleaved rounds."""
+    from transformers import DynamicCache
+
+    vocab = model.config.get_text_config().vocab_size
+    cache = DynamicCache(config=model.config)
+    model(torch.randint(0, vocab, (1, prefix)), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    samples = {k: {} for k in rows}
+    timer = PartTimer(model, cache)
+    for round_ in range(repeats + 1):  # round 0 warms up every shape
+        for k in rows:
+            plain = one_step(model, cache, prefix, k, vocab, None)
+            parts = one_step(model, cache, prefix, k, vocab, timer)
+            if round_:
+                parts["forward"] = plain["forward"]
+                for name, seconds in parts.items():
+                    samples[k].setdefault(name, []).append(seconds)
+    timer.remove()
+    return {k: {name: statistics.median(v) for name, v in parts.items()} for k, parts in samples.items()}
+
+
+def one_step(model, cache, prefix: int, k: int, vocab: int, timer) -> dict:
+    """Time one verification step of k rows (a chain: root + k-1 drafts), with part timers if `timer`."""
+    from lookahead.cache import keep_rows
+    from lookahead.layout import pack
+    from lookahead.tree import DraftTree
+
+    tokens = torch.randint(0, vocab, (k,)).tolist()
+    t0 = time.perf_counter()
+    tree = DraftTree.from_paths(tokens[0], [tokens[1:]] if k > 1 else [], [0] if k > 1 else [], k - 1)
+    inputs = pack(tree, None, prefix, prefix, None, model.dtype, model.device)
+    t1 = time.perf_counter()
+    if timer is not None:
+        timer.reset()
+    model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=inputs.attention_mask,
+          past_key_values=cache, use_cache=True)
+    t2 = time.perf_counter()
+    keep_rows(cache, prefix, list(range(0, k, 2)))  # a non-prefix set: the gather path
+    t3 = time.perf_counter()
+    cache.crop(prefix - cache.get_seq_length())  # back to the prefix (crop takes a negative count)
+    times = {"forward": t2 - t1, "mask building": t1 - t0, "cache compaction": t3 - t2}
+    if timer is not None:
+        times.update(timer.parts(t2 - t1))
+    return times
+
+
+class PartTimer:
+    """Forward hooks that add up the time spent in each linear kind and in the attention modules, and a wrapper
+    of the cache's `update` (the append)."""
+
+    def __init__(self, model, cache):
+        self.spent: dict[str, float] = {}
+        self.handles = []
+        for name, module in model.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in LINEAR_KINDS:
+                self._hook(module, LINEAR_KINDS[leaf])
+            elif leaf in ("self_attn", "attn"):
+                self._hook(module, "attention total")
+        self.cache, self.update = cache, cache.update
+        cache.update = self._timed_update
+
+    def _hook(self, module, part: str) -> None:
+        starts = []
+        self.handles.append(module.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter())))
+        self.handles.append(module.register_forward_hook(
+            lambda *_: self._add(part, time.perf_counter() - starts.pop())))
+
+    def _add(self, part: str, seconds: float) -> None:
+        self.spent[part] = self.spent.get(part, 0.0) + seconds
+
+    def _timed_update(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self.update(*args, **kwargs)
+        self._add("cache append", time.perf_counter() - start)
+        return out
+
+    def reset(self) -> None:
+        """Forget the times of the previous forward."""
+        self.spent = {}
+
+    def parts(self, forward: float) -> dict:
+        """The last forward's parts; "attention" excludes its own projections, "other forward" is the rest."""
+        spent = dict(self.spent)
+        projections = spent.get("attn q/k/v", 0.0) + spent.get("attn o", 0.0)
+        spent["attention"] = spent.pop("attention total", 0.0) - projections
+        counted = sum(v for name, v in spent.items() if name != "cache append")
+        spent["other forward"] = max(forward - counted, 0.0)
+        return spent
+
+    def remove(self) -> None:
+        """Take the hooks and the cache wrapper off."""
+        for handle in self.handles:
+            handle.remove()
+        self.cache.update = self.update
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's vector-instruction flags that matter for these kernels (avx*, fma, amx*, *vnni*, *bf16*)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")) or "vnni" in f
+                                  or "bf16" in f)
+    except OSError:
+        pass
+    return []
+
+
+def format_table(result: dict) -> str:
+    """Markdown: per variant, the forward in ms and as a ratio of that variant's one-row forward, then the parts."""
+    rows = result["rows"]
+    lines = [f"CPU flags: {' '.join(result['cpu_flags']) or 'unknown'}; {result['machine']['cpu']}, "
+             f"{result['machine']['threads']} threads; cache of {result['prefix']} tokens", "",
+             "| variant | part | " + " | ".join(f"k={k}" for k in rows) + " |",
+             "|---|---|" + "---:|" * len(rows)]
+    base = result["variants"].get("default", {}).get(rows[0], {}).get("forward")
+    for variant, by_rows in result["variants"].items():
+        own = by_rows[rows[0]]["forward"]
+        lines.append(f"| {variant} | forward ms | " + " | ".join(f"{by_rows[k]['forward'] * 1e3:.1f}" for k in rows)
+                     + " |")
+        lines.append(f"| {variant} | × own one-row | " + " | ".join(f"{by_rows[k]['forward'] / own:.2f}"
+                                                                  for k in rows) + " |")
+        if base:
+            lines.append(f"| {variant} | × default one-row | " + " | ".join(f"{by_rows[k]['forward'] / base:.2f}"
+                                                                          for k in rows) + " |")
+        for part in PARTS + ("cache append",):
+            lines.append(f"| {variant} | {part} ms | " + " | ".join(f"{by_rows[k].get(part, 0.0) * 1e3:.1f}"
+                                                                  for k in rows) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Stacked bars: per variant and row count, the parts of one step in ms."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants, rows = list(result["variants"]), result["rows"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows) * len(variants)), 4.5))
+    labels, x = [], 0
+    for variant in variants:
+        for k in rows:
+            parts, bottom = result["variants"][variant][k], 0.0
+            for i, part in enumerate(PARTS):
+                height = parts.get(part, 0.0) * 1e3
+                ax.bar(x, height, bottom=bottom, color=plt.cm.tab10(i), label=part if x == 0 else None)
+                bottom += height
+            labels.append(f"{variant}\nk={k}")
+            x += 1
+        x += 0.5
+    ticks = [i + (i // len(rows)) * 0.5 for i in range(len(labels))]
+    ax.set_xticks(ticks, labels, fontsize=7)
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"One verification step by part ({result['machine']['cpu']}, {result['machine']['threads']} threads)")
+    ax.legend(fontsize=7, ncols=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded default model)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--prefix", type=int, default=300, help="cached tokens before the step")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--plot", action="store_true", help="write a PNG beside --out")
+    args = parser.parse_args(argv)
+    if args.rows[0] != 1 or any(k < 1 for k in args.rows):
+        parser.error("--rows must start with 1 (the reference) and be positive")
+    if args.repeats < 1 or args.prefix < 1 or args.threads < 1:
+        parser.error("--repeats, --prefix and --threads must be positive")
+    return args
+
+
+if __name__ == "__main__":
+    main()
