@@ -71,7 +71,7 @@ class ServerSettings:
     context_length: int | None = None
     max_body_bytes: int = 1 << 20
     max_queue: int = 32
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # kept out of logs
     allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS
     allow_origins: tuple[str, ...] = ()
     max_connections: int = 64

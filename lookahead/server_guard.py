@@ -94,7 +94,9 @@ class RequestGuard:
     def check(self, headers: Headers, method: str) -> APIError | None:
         """The first check the request fails, as an `APIError`, or None."""
         host = headers.get("host")
-        if host is None or (ANY_HOST not in self.allowed_hosts and host_name(host) not in self.allowed_hosts):
+        if host is None:
+            return APIError(400, "missing Host header", code="host_not_allowed")
+        if ANY_HOST not in self.allowed_hosts and host_name(host) not in self.allowed_hosts:
             return APIError(400, f"Host {host!r} is not this server (expected one of "
                                  f"{', '.join(self.allowed_hosts)}): refused against DNS rebinding",
                             code="host_not_allowed")
