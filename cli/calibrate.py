@@ -14,21 +14,27 @@ CHAIN = 8  # draft-chain length used to illustrate the chosen budget
 @click.option("--refresh", is_flag=True, help="Measure again even if a cached curve exists.")
 @click.option("--packed/--no-packed", default=True, show_default=True,
               help="Measure with the linear layers on prepacked oneDNN weights (what generation uses by default).")
-def calibrate(model_path, refresh, packed) -> None:
+@click.option("--attention", type=click.Choice(["auto", "sdpa", "triton"]), default="auto", show_default=True,
+              help="Attention during generation (see `lookahead generate --help`).")
+def calibrate(model_path, refresh, packed, attention) -> None:
     """Print t(k)/t(1) for verifying k rows (at each measured cache length) and how many draft tokens a step
     verifies at each acceptance rate."""
     from lookahead.budget import best_row_count
     from lookahead.cost_curve import cost_curve_for
     from lookahead.models import ModelLoadError, load_model
-    from lookahead.packed_linear import packed_linears
+    from lookahead.config import LookaheadConfig
+    from lookahead.hf import generation_arithmetic
 
     try:
         model, _ = load_model(model_path)
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from exc
-    with packed_linears(model, packed) as swapped:
-        curve = cost_curve_for(model, refresh=refresh)
-    arithmetic = f"{swapped} linear layers prepacked (oneDNN)" if swapped else "PyTorch's default linear layers"
+    try:
+        config = LookaheadConfig(packed_linear=packed, attention=attention)
+        with generation_arithmetic(model, config) as arithmetic:
+            curve = cost_curve_for(model, refresh=refresh)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
     note = " — a conservative default: the measurement stayed implausible" if curve.source == "default" else ""
     click.echo(f"one-row step: {curve.base_seconds * 1000:.1f} ms; {arithmetic}{note}")
     click.echo(f"{'rows k':>18} " + " ".join(f"{k:>6d}" for k in curve.sizes))

@@ -1,18 +1,27 @@
 """Attention backend for the verification forward, registered through transformers' `AttentionInterface`.
 
 `register()` adds `lookahead_tree`: on CUDA, a forward of 2..64 new rows whose 4D mask shows every row the whole
-cached prefix (the verification step) runs the Triton tree kernel with the mask's last T columns as the tree;
-everything else (prefill, single-token decode, padded batches, CPU) runs transformers' own SDPA attention
-unchanged. Both compute the same attention, so choosing between them never changes what the model means.
-Triton is imported only on the kernel path, so the CPU path works without it.
+cached prefix (the verification step) runs the Triton tree kernel with the mask's last T columns as the tree. On
+the CPU, a masked forward of a grouped-query model (the verification step) runs PyTorch's SDPA with
+`enable_gqa=True` instead of transformers' copy of every key/value head per query head (`repeat_kv`), which costs
+more than the attention itself at 8–16 rows. Everything else (prefill, single-token decode, features such as a
+position bias) runs transformers' own SDPA attention unchanged. All compute the same attention, so choosing
+between them never changes what the model means. Triton is imported only on the kernel path, so the CPU path
+works without it. `tree_attention(model, choice)` switches a model to the backend for a block of code.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .config import ATTENTION_CHOICES
 
 NAME = "lookahead_tree"
 
@@ -33,6 +42,36 @@ def register() -> str:
     AttentionInterface.register(NAME, tree_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     return NAME
+
+
+@contextlib.contextmanager
+def tree_attention(model, choice: str = "auto") -> Iterator[bool]:
+    """Within the block, `model` attends with the `lookahead_tree` backend; yields whether it does.
+
+    choice: "auto" switches a model that uses SDPA (the transformers default); "sdpa" leaves the model as it is;
+    "triton" switches any model and raises `ValueError` without CUDA (unless Triton's interpreter is on,
+    `TRITON_INTERPRET=1`). The model's own implementation is restored on exit.
+    """
+    if choice not in ATTENTION_CHOICES:
+        raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {choice!r}")
+    if choice == "triton" and not (_on_cuda(model) or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise ValueError("attention='triton' needs a CUDA device (the model is on "
+                         f"{next(model.parameters()).device}); use attention='auto' or 'sdpa'")
+    own = getattr(model.config, "_attn_implementation", None)
+    switch = choice == "triton" or (choice == "auto" and own == "sdpa")
+    if not switch or own == NAME:
+        yield own == NAME
+        return
+    model.set_attn_implementation(register())
+    try:
+        yield True
+    finally:
+        model.set_attn_implementation(own)
+
+
+def _on_cuda(model) -> bool:
+    """Whether the model's first parameter is on a CUDA device."""
+    return next(model.parameters()).is_cuda
 
 
 def tree_attention_forward(
@@ -58,6 +97,10 @@ def tree_attention_forward(
         `([B, T, H, D] attention output, None)`, like SDPA.
     """
     tree_mask = _kernel_tree_mask(query, key, attention_mask) if _kernel_eligible(query, dropout, kwargs) else None
+    if tree_mask is None and _grouped_cpu_eligible(module, query, attention_mask, kwargs):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               dropout_p=dropout, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None  # [B, T, H, D]
     if tree_mask is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -66,6 +109,18 @@ def tree_attention_forward(
 
     out = tree_attention(query.contiguous(), key.contiguous(), value.contiguous(), tree_mask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None  # [B, T, H, D]
+
+
+def _grouped_cpu_eligible(module, query: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
+    """Whether SDPA with `enable_gqa` computes this call exactly as transformers' SDPA path would: a CPU call of a
+    grouped-query layer with a 4D mask and none of the extras that path handles (position bias, paged cache,
+    softcap, attention weights)."""
+    if query.is_cuda or attention_mask is None or attention_mask.dim() != 4:
+        return False
+    if getattr(module, "num_key_value_groups", 1) <= 1:
+        return False
+    extras = ("position_bias", "cache") + _KERNEL_UNSUPPORTED_KWARGS
+    return not any(kwargs.get(name) is not None for name in extras) and not kwargs.get("output_attentions")
 
 
 def _kernel_eligible(query: torch.Tensor, dropout: float, kwargs: dict) -> bool:

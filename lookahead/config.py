@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
+ATTENTION_CHOICES = ("auto", "sdpa", "triton")
+
 
 @dataclass(frozen=True)
 class LookaheadConfig:
@@ -29,6 +31,9 @@ class LookaheadConfig:
     `packed_linear` (CPU, fp32): run the model's linear layers on oneDNN-prepacked weights during generation
     (`packed_linear.py`), which makes a forward of several rows nearly as cheap as one row; speculative and
     plain steps (`off()`) then use the same arithmetic.
+    `attention`: "auto" attends with the `lookahead_tree` backend (`attention.py`) during generation when the
+    model uses SDPA (CPU: grouped-query SDPA without copying key/value heads; CUDA: the Triton tree kernel for
+    verification steps); "sdpa" keeps the model's own attention; "triton" forces the backend (CUDA only).
     `seed` (sampling only): draw the token at sequence index t by Gumbel-max with noise from (seed, t), so the
     same seed gives the same tokens with or without speculation; None samples from a generator seeded by
     torch's global RNG.
@@ -51,6 +56,7 @@ class LookaheadConfig:
     tree_budget: int = 16
     adaptive: bool = True
     packed_linear: bool = True
+    attention: str = "auto"
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -70,6 +76,8 @@ class LookaheadConfig:
         _check_range("tree_budget", self.tree_budget, 0, 1024)
         if self.seed is not None:
             _check_range("seed", self.seed, 0, 2**63 - 1)
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {self.attention!r}")
         for name in ("pool_from_text", "adaptive", "packed_linear"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -8,14 +8,17 @@ them: the streamer travels as `lookahead_streamer=`, stop strings become a ready
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+from collections.abc import Iterator
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .attention import tree_attention
 from .cost_curve import cost_curve_for
 from .cache import check_compactable
 from .config import LookaheadConfig
@@ -52,7 +55,7 @@ class Lookahead:
                  generation_config: GenerationConfig, synced_gpus: bool = False,
                  lookahead_streamer=None, **model_kwargs):
         """Decoding loop called by `generate`; returns what `generate` would (sequences or a dict output)."""
-        with packed_linears(model, self.config.packed_linear):
+        with generation_arithmetic(model, self.config):
             return self._generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                   lookahead_streamer, model_kwargs)
 
@@ -91,6 +94,16 @@ class Lookahead:
         if self.config.adaptive and drafts:
             return cost_curve_for(model, batch=batch)
         return None
+
+
+@contextlib.contextmanager
+def generation_arithmetic(model, config: LookaheadConfig) -> Iterator[str]:
+    """Within the block the model computes as lookahead generation does (prepacked linear layers, the tree
+    attention backend, as `config` asks), for speculative and plain steps alike; yields a one-line description."""
+    with packed_linears(model, config.packed_linear) as packed, tree_attention(model, config.attention) as tree:
+        linear = f"{packed} linear layers prepacked (oneDNN)" if packed else "PyTorch's default linear layers"
+        attention = "lookahead_tree attention" if tree else f"{model.config._attn_implementation} attention"
+        yield f"{linear}, {attention}"
 
 
 def _pad_token(config: GenerationConfig) -> int | None:

@@ -10,13 +10,13 @@ import pytest
 import torch
 from tiny_models import build_tiny_model
 
-from lookahead import hf
-from lookahead.cost_curve import CURVE_SIZES, CostCurve
-
 # Triton has no CPU backend: kernels run under its interpreter, which must be switched on before triton is
 # first imported anywhere in the session (transformers imports it early).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from lookahead import hf  # noqa: E402  (after TRITON_INTERPRET: transformers imports triton)
+from lookahead.cost_curve import CURVE_SIZES, CostCurve  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -144,7 +144,50 @@ def test_cpu_runs_sdpa_unless_forced(model, monkeypatch):
 
     monkeypatch.setattr(lookahead.kernels, "tree_attention", fail)
     expected = run_with(model, "sdpa", tree_forward())
-    torch.testing.assert_close(run_with(model, attention.register(), tree_forward()), expected, atol=0, rtol=0)
+    torch.testing.assert_close(run_with(model, attention.register(), tree_forward()), expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU path")
+def test_cpu_tree_forward_attends_grouped_without_copying_heads(model, monkeypatch):
+    """A masked CPU forward of a grouped-query model runs SDPA with enable_gqa on the key/value heads as they are
+    (no repeat_kv), and gives SDPA's logits."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def spy(query, key, *args, **kwargs):
+        calls.append((query.shape[1], key.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(query, key, *args, **kwargs)
+
+    expected = run_with(model, "sdpa", tree_forward())
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    logits = run_with(model, attention.register(), tree_forward())
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
+    assert calls[-2:] == [(4, 2, True)] * 2  # the tree forward, both layers: 4 query heads on 2 key/value heads
+
+
+def test_tree_attention_switches_sdpa_models_and_restores_them(model):
+    with attention.tree_attention(model, "auto") as on:
+        assert on and model.config._attn_implementation == "lookahead_tree"
+    assert model.config._attn_implementation == "sdpa"
+    with attention.tree_attention(model, "sdpa") as on:
+        assert not on and model.config._attn_implementation == "sdpa"
+    model.set_attn_implementation("eager")
+    try:
+        with attention.tree_attention(model, "auto") as on:  # a model the user set to eager stays eager
+            assert not on and model.config._attn_implementation == "eager"
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="checks the refusal without CUDA")
+def test_triton_attention_without_cuda_is_a_clear_error(model, monkeypatch):
+    from lookahead import LookaheadConfig
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs a CUDA device"), attention.tree_attention(model, "triton"):
+        pass
+    with pytest.raises(ValueError, match="attention must be one of"):
+        LookaheadConfig(attention="flash")
 
 
 def test_lookahead_decoding_through_the_kernel_gives_plain_greedy_tokens(model, kernel_calls):

@@ -142,4 +142,4 @@ def test_calibrate_prints_the_curve_at_each_cache_length(tmp_path, monkeypatch):
         assert result.exit_code == 0, result.output
         assert len(calls) == expected_calls
     assert "t(k)/t(1) @ 256" in result.output and "t(k)/t(1) @ 1024" in result.output
-    assert "linear layers prepacked" in result.output
+    assert "linear layers prepacked" in result.output and "lookahead_tree attention" in result.output
