@@ -7,7 +7,7 @@ import sys
 import click
 
 from lookahead.cli.calibrate import calibrate
-from lookahead.cli.options import build_config, draft_choice, read_prompt, sampling_kwargs
+from lookahead.cli.options import arithmetic_options, build_config, draft_choice, read_prompt, sampling_kwargs
 from lookahead.cli.serve import serve
 
 
@@ -44,6 +44,7 @@ def main() -> None:
 @click.option("--draft-layers", type=click.IntRange(min=1), default=None,
               help="Self-speculative draft: the model's own first N layers plus its LM head.")
 @click.option("--draft-tokens", type=click.IntRange(1, 64), default=None, help="Draft-model chain length per step.")
+@arithmetic_options
 def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sample, temperature, top_k, top_p,
              draft_path, draft_layers, **knobs) -> None:
     """Stream a completion of PROMPT (or of stdin when PROMPT is omitted or `-`); greedy unless --sample."""

@@ -58,17 +58,29 @@ def sampling_kwargs(sample: bool, temperature: float | None, top_k: int | None, 
     return {"do_sample": True, **given}
 
 
-def build_config(mode: str, knobs: dict) -> LookaheadConfig:
-    """Build the config for `mode` ('lookahead' | 'off') with the pinned `knobs` (None = default).
+# Knobs that keep their value with `--mode off`: the seed (so `--mode off --seed S` reproduces a speculative run)
+# and the arithmetic (so the plain loop computes exactly as the speculative one does).
+BOTH_MODES = ("seed", "attention", "packed_linear")
 
-    `seed` is kept in both modes, so `--mode off --seed S` reproduces a speculative run with the same seed.
-    """
-    if mode == "off":
-        seed = knobs.get("seed")
-        return LookaheadConfig.off() if seed is None else LookaheadConfig.off().with_overrides(seed=seed)
+
+def arithmetic_options(command):
+    """Add `--attention` and `--packed/--no-packed` (the knobs `attention`, `packed_linear`) to a command."""
+    command = click.option("--packed/--no-packed", "packed_linear", default=None,
+                           help="Linear layers on oneDNN-prepacked weights during generation (default: on; CPU, "
+                                "fp32).")(command)
+    return click.option("--attention", type=click.Choice(["auto", "sdpa", "triton"]), default=None,
+                        help="auto (default): the lookahead_tree backend when the model uses SDPA (CPU: grouped "
+                             "SDPA; CUDA: the Triton tree kernel); sdpa: the model's own; triton: CUDA only.")(command)
+
+
+def build_config(mode: str, knobs: dict) -> LookaheadConfig:
+    """Build the config for `mode` ('lookahead' | 'off') with the pinned `knobs` (None = default); the knobs of
+    BOTH_MODES apply with `off` too. Raises `click.UsageError` for a bad value."""
     pinned = {name: value for name, value in knobs.items() if value is not None}
+    if mode == "off":
+        pinned = {name: value for name, value in pinned.items() if name in BOTH_MODES}
     try:
-        return LookaheadConfig().with_overrides(**pinned)
+        return (LookaheadConfig.off() if mode == "off" else LookaheadConfig()).with_overrides(**pinned)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from lookahead.cli.options import build_config
+from lookahead.cli.options import arithmetic_options, build_config
 
 
 @click.command()
@@ -42,6 +42,7 @@ from lookahead.cli.options import build_config
 @click.option("--window-levels", type=click.IntRange(0, 8), default=None, help="Jacobi window levels (0 = off).")
 @click.option("--window-columns", type=click.IntRange(1, 64), default=None, help="Jacobi window columns.")
 @click.option("--tree-budget", type=click.IntRange(0, 1024), default=None, help="Draft tree nodes per step.")
+@arithmetic_options
 def serve(model_path, host, port, model_name, mode, cache_tokens, context_length, max_body_bytes, max_queue,
           api_key, allow_origins, max_connections, request_timeout, threads, **knobs) -> None:
     """Serve completions over an OpenAI-compatible HTTP API (POST /v1/completions, /v1/chat/completions;

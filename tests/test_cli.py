@@ -149,3 +149,22 @@ def test_bad_drafts_give_one_line_errors(tiny_folder, tmp_path):
     tokenizer.save_pretrained(small)
     result = _run("hi", "--model", str(folder), "--draft-model", str(small))
     assert result.exit_code != 0 and "vocabulary mismatch" in result.output and "Traceback" not in result.output
+
+
+def test_arithmetic_flags_reach_the_config_in_both_modes():
+    from lookahead.cli.options import build_config
+
+    for mode in ("lookahead", "off"):
+        config = build_config(mode, {"attention": "sdpa", "packed_linear": False, "seed": 3, "tree_budget": None})
+        assert (config.attention, config.packed_linear, config.seed) == ("sdpa", False, 3)
+    assert build_config("off", {"tree_budget": 9}).tree_budget == 0  # speculation knobs do not apply to off
+
+
+def test_triton_attention_without_cuda_is_a_one_line_error(tiny_folder, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine can run the kernel")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    folder, _, _ = tiny_folder
+    result = _run("def f(x):", "--model", str(folder), "--max-new-tokens", "4", "--attention", "triton")
+    assert result.exit_code != 0
+    assert "needs a CUDA device" in result.output and "Traceback" not in result.output
