@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
               "shapes": shapes, "rows": args.rows, "candidates": {}, "skipped": skipped_types(flags)}
     for name in args.candidates:
         print(f"timing {name} ...", file=sys.stderr)
-        result["candidates"][name] = {k: time_candidate(name, weights, shapes, k, args.repeats) for k in args.rows}
+        result["candidates"][name] = time_candidate(name, weights, shapes, args.rows, args.repeats)
     print(format_table(result))
     if args.out:
         write_json(result, args.out)
@@ -85,26 +85,30 @@ def groups(fused: bool) -> list[tuple[str, ...]]:
     return [(name,) for name in ("q", "k", "v", "o", "gate", "up", "down")]
 
 
-def time_candidate(name: str, weights: dict, shapes: dict, rows: int, repeats: int) -> float:
-    """Best-of-`repeats` seconds for all of one forward's products at `rows` rows with candidate `name`."""
-    run = build(name, weights, rows)
-    hidden, inner = shapes["head"][1], shapes["down"][1]
-    x = {hidden: torch.randn(rows, hidden), inner: torch.randn(rows, inner)}
-    with torch.no_grad():
-        run(x)
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run(x)
-            best = min(best, time.perf_counter() - start)
-    return best
-
-
-def build(name: str, weights: dict, rows: int):
-    """A function x -> None computing every product with candidate `name` (weights prepared here, untimed)."""
+def time_candidate(name: str, weights: dict, shapes: dict, rows: list[int], repeats: int) -> dict:
+    """{k: best-of-`repeats` seconds for all of one forward's products at k rows} with candidate `name`; the row
+    counts interleaved in every round. Weights are prepared once (per row count only where the candidate packs
+    for one), so no large allocation happens between timed runs."""
     fused = name in ("mkldnn_fused", "head_blocks", "inductor")
     mats = [torch.cat([weights[p][layer] for p in group]) for layer in range(len(weights["q"]))
             for group in groups(fused)] + weights["head"]
+    runs = {k: build(name, mats, k) for k in rows} if name in ("mkl", "inductor") else dict.fromkeys(
+        rows, build(name, mats, rows[0]))
+    hidden, inner = shapes["head"][1], shapes["down"][1]
+    inputs = {k: {hidden: torch.randn(k, hidden), inner: torch.randn(k, inner)} for k in rows}
+    best = dict.fromkeys(rows, float("inf"))
+    with torch.no_grad():
+        for round_ in range(repeats + 1):  # round 0 warms up
+            for k in rows:
+                start = time.perf_counter()
+                runs[k](inputs[k])
+                if round_:
+                    best[k] = min(best[k], time.perf_counter() - start)
+    return best
+
+
+def build(name: str, mats: list[torch.Tensor], rows: int):
+    """A function x -> None computing every product with candidate `name` (weights prepared here, untimed)."""
     if name == "default":
         return lambda x: [F.linear(x[w.shape[1]], w) for w in mats]
     if name == "w_xt":

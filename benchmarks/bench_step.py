@@ -1,22 +1,25 @@
 """Where a verification step's time goes: one forward of k = 1, 2, 4, 8, 16 rows, broken down by part.
 
     python benchmarks/bench_step.py [--model PATH] [--rows 1 2 4 8 16] [--prefix 300] [--repeats 7]
-        [--variants default packed packed-unfused] [--threads 2] [--out benchmarks/results/step-cpu.json] [--plot]
+        [--variants default packed packed-sdpa packed-unfused] [--threads 2] [--out FILE.json] [--plot]
 
-For each linear-layer arithmetic (`default`: PyTorch's own `nn.Linear`; `packed`: oneDNN-prepacked weights with
-q/k/v and gate/up fused, what generation uses; `packed-unfused`: prepacked, every projection on its own) and each
+For each arithmetic (`default`: PyTorch's own `nn.Linear` and transformers' SDPA attention, i.e. plain HF;
+`packed`: what generation uses, oneDNN-prepacked weights with q/k/v and gate/up fused and the `lookahead_tree`
+attention backend (grouped SDPA without copying key/value heads); `packed-sdpa`: prepacked and fused, with
+transformers' SDPA; `packed-unfused`: prepacked, every projection on its own, `lookahead_tree` attention) and each
 row count k, a real verification step is built (a draft tree of k nodes: root + a chain of k-1 drafts, packed with
 `layout.pack`, the model's forward with the 4D tree mask on a `--prefix`-token cache, then the cache compaction
 keeping half of the drafts). Parts:
 
 - matmuls by layer kind: attention q/k/v, attention o, MLP gate/up, MLP down, LM head (forward hooks);
-- attention: the attention modules' time outside their projections (RoPE, SDPA, GQA, cache append);
+- attention: the attention modules' time outside their projections (RoPE, SDPA, GQA head copies, cache append);
 - cache append: `DynamicCache.update` alone (part of attention);
 - other forward: embeddings, norms, residuals, activations and Python module overhead (forward minus the above);
 - mask building (`layout.pack`) and cache compaction (`cache.keep_rows`), outside the forward.
 
 The forward total ("forward") comes from runs without hooks; the parts from runs with hooks (which add a little
-time of their own, counted in "other forward"). Sizes are interleaved per repeat; each figure is the median.
+time of their own, counted in "other forward"). Variants and sizes are interleaved in every round; each figure
+is the lower quartile over the rounds.
 Results: JSON (`--out`), a table on stdout and, with `--plot`, a stacked-bar PNG beside the JSON.
 """
 
@@ -38,7 +41,7 @@ LINEAR_KINDS = {"q_proj": "attn q/k/v", "k_proj": "attn q/k/v", "v_proj": "attn 
                 "gate_up_proj": "mlp gate/up", "down_proj": "mlp down", "lm_head": "lm head"}
 PARTS = ("attn q/k/v", "attn o", "mlp gate/up", "mlp down", "lm head", "attention", "other forward",
          "mask building", "cache compaction")
-VARIANTS = ("default", "packed", "packed-unfused")
+VARIANTS = ("default", "packed", "packed-sdpa", "packed-unfused")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,11 +52,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model, _ = lookahead.load_model(args.model)
     result = {"command": command_line(), "machine": machine_info(args.threads), "cpu_flags": cpu_flags(),
-              "prefix": args.prefix, "rows": args.rows, "variants": {}}
-    for variant in args.variants:
-        print(f"measuring {variant} ...", file=sys.stderr)
-        with linear_variant(model, variant):
-            result["variants"][variant] = measure_variant(model, args.rows, args.prefix, args.repeats)
+              "prefix": args.prefix, "rows": args.rows, "variants": measure(model, args)}
     print(format_table(result))
     if args.out:
         write_json(result, args.out)
@@ -61,45 +60,61 @@ def main(argv: list[str] | None = None) -> None:
             plot(result, args.out.with_suffix(".png"))
 
 
-@contextlib.contextmanager
-def linear_variant(model, variant: str):
-    """The model's linear layers as `variant` within the block."""
-    from lookahead import packed_linear
-
-    if variant == "default":
-        yield
-        return
-    saved = packed_linear.FUSED_GROUPS
-    packed_linear.FUSED_GROUPS = saved if variant == "packed" else ()
-    model.__dict__.pop(packed_linear._CACHE_ATTR, None)  # rebuild the packed modules with this grouping
-    try:
-        with packed_linear.packed_linears(model):
-            yield
-    finally:
-        packed_linear.FUSED_GROUPS = saved
-        model.__dict__.pop(packed_linear._CACHE_ATTR, None)
-
-
 @torch.no_grad()
-def measure_variant(model, rows: list[int], prefix: int, repeats: int) -> dict:
-    """{k: {"forward": s, part: s, ...}} medians over `repeats` interleaved rounds."""
+def measure(model, args) -> dict:
+    """{variant: {k: {part: seconds}}}: variants and row counts interleaved in every round (a noisy machine hits
+    them alike); the first round warms up; each figure is the lower quartile of the other rounds."""
     from transformers import DynamicCache
 
     vocab = model.config.get_text_config().vocab_size
     cache = DynamicCache(config=model.config)
-    model(torch.randint(0, vocab, (1, prefix)), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    samples = {k: {} for k in rows}
-    timer = PartTimer(model, cache)
-    for round_ in range(repeats + 1):  # round 0 warms up every shape
-        for k in rows:
-            plain = one_step(model, cache, prefix, k, vocab, None)
-            parts = one_step(model, cache, prefix, k, vocab, timer)
-            if round_:
-                parts["forward"] = plain["forward"]
-                for name, seconds in parts.items():
-                    samples[k].setdefault(name, []).append(seconds)
-    timer.remove()
-    return {k: {name: statistics.median(v) for name, v in parts.items()} for k, parts in samples.items()}
+    model(torch.randint(0, vocab, (1, args.prefix)), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    samples = {v: {k: {} for k in args.rows} for v in args.variants}
+    packed_sets: dict = {}
+    for round_ in range(args.repeats + 1):
+        print(f"round {round_} of {args.repeats} ...", file=sys.stderr)
+        for variant in args.variants:
+            with linear_variant(model, variant, packed_sets):
+                timer = PartTimer(model, cache)
+                for k in args.rows:
+                    plain = one_step(model, cache, args.prefix, k, vocab, None)
+                    parts = one_step(model, cache, args.prefix, k, vocab, timer)
+                    parts["forward"] = plain["forward"]
+                    for name, seconds in parts.items() if round_ else ():
+                        samples[variant][k].setdefault(name, []).append(seconds)
+                timer.remove()
+    return {v: {k: {name: quartile(t) for name, t in parts.items()} for k, parts in by_rows.items()}
+            for v, by_rows in samples.items()}
+
+
+def quartile(values: list[float]) -> float:
+    """The lower quartile: machine noise only ever adds time."""
+    return float(sorted(values)[(len(values) - 1) // 4])
+
+
+@contextlib.contextmanager
+def linear_variant(model, variant: str, packed_sets: dict):
+    """The model's linear layers and attention as `variant` within the block."""
+    from lookahead import packed_linear
+    from lookahead.attention import tree_attention
+
+    if variant == "default":
+        yield
+        return
+    saved, grouping = packed_linear.FUSED_GROUPS, "unfused" if variant == "packed-unfused" else "fused"
+    packed_linear.FUSED_GROUPS = () if grouping == "unfused" else saved
+    cached = packed_sets.get(grouping)  # each grouping's packed modules, built once
+    if cached is None:
+        model.__dict__.pop(packed_linear._CACHE_ATTR, None)
+    else:
+        model.__dict__[packed_linear._CACHE_ATTR] = cached
+    attention = "sdpa" if variant == "packed-sdpa" else "auto"
+    try:
+        with packed_linear.packed_linears(model), tree_attention(model, attention):
+            yield
+    finally:
+        packed_linear.FUSED_GROUPS = saved
+        packed_sets[grouping] = model.__dict__.pop(packed_linear._CACHE_ATTR)
 
 
 def one_step(model, cache, prefix: int, k: int, vocab: int, timer) -> dict:
