@@ -165,9 +165,9 @@ def format_table(result: dict) -> str:
              "|---|" + "---:|" * (2 * len(rows))]
     for name, times in cands.items():
         own = times[rows[0]]
+        versus_default = f"{own / base:.2f}" if base else "—"
         lines.append(f"| {name} | " + " | ".join(f"{times[k] * 1e3:.1f}" for k in rows) + " | "
-                     + " | ".join(f"{times[k] / own:.2f}" for k in rows[1:])
-                     + f" | {own / base:.2f} |" if base else " | |")
+                     + " | ".join(f"{times[k] / own:.2f}" for k in rows[1:]) + f" | {versus_default} |")
     for kind, why in result["skipped"].items():
         lines.append(f"\n{kind}: skipped, {why}")
     return "\n".join(lines)
