@@ -7,7 +7,20 @@ import socket
 import threading
 import time
 
+import pytest
+import torch
+
 from lookahead.server_http import make_server
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Torch on one thread while a module's server tests run: on a shared 2-core machine two threads can be ~10x
+    slower (spin-waiting). Import it into a test module to use it there."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @contextlib.contextmanager

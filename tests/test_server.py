@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 from openai import OpenAI
-from server_helpers import serving as _serving
+from server_helpers import one_thread, serving as _serving  # noqa: F401  (one_thread: autouse fixture)
 from tiny_models import build_tiny_model
 
 from lookahead import Lookahead, LookaheadConfig, load_model
@@ -39,15 +39,6 @@ PROMPTS = [
     "<html><body><h1>",
     "Dear Sir or Madam,\n\n",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Torch on one thread: on a shared 2-core machine two threads can be ~10x slower (spin-waiting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

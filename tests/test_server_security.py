@@ -22,7 +22,7 @@ import torch
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_helpers import serving
+from server_helpers import one_thread, serving  # noqa: F401  (one_thread: autouse fixture)
 from tiny_models import build_tiny_model
 from transformers import AutoTokenizer
 
@@ -34,15 +34,6 @@ from lookahead.server_guard import allowed_hosts_for, check_bind, host_name
 NAME = "tiny"
 CONTEXT = 128
 JSON = {"content-type": "application/json"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Torch on one thread: on a shared 2-core machine two threads can be ~10x slower (spin-waiting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
