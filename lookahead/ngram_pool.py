@@ -19,6 +19,8 @@ The numba kernel below is a pure function of these arrays; the class only valida
 import numba
 import numpy as np
 
+from .checks import as_token_ids, check_int
+
 # Indices into the ``state`` array shared by the kernels.
 _HEAD = 0  # most recently added-to slot, -1 when empty
 _TAIL = 1  # least recently added-to slot (the next to evict), -1 when empty
@@ -99,29 +101,6 @@ def _add_strided(seq, start, stop, step, slot_of_key, key_of_slot, conts, counts
             conts[slot, 0, t] = seq[i + 1 + t]
 
 
-def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    """Return ``value`` as an int; raise ValueError naming ``name`` unless it is an int in [low, high]."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low or (high is not None and value > high):
-        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {allowed}, got {value}")
-    return int(value)
-
-
-def _as_tokens(name: str, value: np.ndarray, ndim: int, vocab_size: int) -> np.ndarray:
-    """Return ``value`` as a C-contiguous int64 array; raise ValueError naming ``name`` if it is not
-    an integer array of ``ndim`` dimensions with every entry in ``[0, vocab_size)``."""
-    arr = np.asarray(value)
-    if arr.dtype.kind not in "iu" and arr.size > 0:
-        raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
-    if arr.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
-    if arr.size > 0 and (arr.min() < 0 or arr.max() >= vocab_size):
-        raise ValueError(f"{name} must be in [0, vocab_size={vocab_size}), got [{arr.min()}, {arr.max()}]")
-    return np.ascontiguousarray(arr, dtype=np.int64)
-
-
 class NGramPool:
     """Bounded pool of n-gram continuations keyed by the n-gram's first token.
 
@@ -138,10 +117,10 @@ class NGramPool:
     """
 
     def __init__(self, n: int, vocab_size: int, *, max_keys: int = 65536, per_key: int = 8) -> None:
-        self.n = _check_int("n", n, 2)
-        self.vocab_size = _check_int("vocab_size", vocab_size, 1, _MAX_TOKEN)
-        self.max_keys = _check_int("max_keys", max_keys, 1)
-        self.per_key = _check_int("per_key", per_key, 1)
+        self.n = check_int("n", n, 2)
+        self.vocab_size = check_int("vocab_size", vocab_size, 1, _MAX_TOKEN)
+        self.max_keys = check_int("max_keys", max_keys, 1)
+        self.per_key = check_int("per_key", per_key, 1)
         self._slot_of_key = np.full(self.vocab_size, -1, dtype=np.int32)
         self._key_of_slot = np.full(self.max_keys, -1, dtype=np.int32)
         self._conts = np.zeros((self.max_keys, self.per_key, self.n - 1), dtype=np.int32)
@@ -169,7 +148,7 @@ class NGramPool:
         ``grams``: ``[G, n]`` integer; ``grams[:, 0]`` is the key, ``grams[:, 1:]`` the continuation.
         Raises ValueError (naming ``grams``) on a wrong shape, a non-integer dtype or an out-of-range token.
         """
-        arr = _as_tokens("grams", grams, 2, self.vocab_size)
+        arr = as_token_ids("grams", grams, 2, self.vocab_size)
         if arr.shape[1] != self.n:
             raise ValueError(f"grams must have shape [G, n={self.n}], got {arr.shape}")
         self._add(arr.reshape(-1), 0, arr.size, self.n)
@@ -182,8 +161,8 @@ class NGramPool:
         ``tokens``: ``[L]`` integer. Raises ValueError naming ``tokens`` (bad dtype, shape or token) or
         ``start`` (not in ``[0, L]``).
         """
-        seq = _as_tokens("tokens", tokens, 1, self.vocab_size)
-        start = _check_int("start", start, 0, seq.shape[0])
+        seq = as_token_ids("tokens", tokens, 1, self.vocab_size)
+        start = check_int("start", start, 0, seq.shape[0])
         self._add(seq, max(0, start - (self.n - 1)), seq.shape[0] - self.n + 1, 1)
 
     def lookup(self, key: int, max_candidates: int) -> list[np.ndarray]:
@@ -192,8 +171,8 @@ class NGramPool:
         Each is an ``[n-1]`` int64 array (a row of a copy, never aliasing the pool); an unknown key gives
         ``[]``. Raises ValueError naming ``key`` (not in ``[0, vocab_size)``) or ``max_candidates`` (< 0).
         """
-        key = _check_int("key", key, 0, self.vocab_size - 1)
-        max_candidates = _check_int("max_candidates", max_candidates, 0)
+        key = check_int("key", key, 0, self.vocab_size - 1)
+        max_candidates = check_int("max_candidates", max_candidates, 0)
         slot = self._slot_of_key[key]
         if slot < 0:
             return []

@@ -1,62 +1,17 @@
 """Prompt lookup: draft the continuation of earlier occurrences of the text's current suffix.
 
-The text is prompt + committed output, extended as tokens are committed. An index maps every
-``min_ngram``-gram of the text (by a hash of its tokens) to a chain of the positions where it ends:
-``head[bucket]`` is the latest position, ``prev[p]`` the previous position in the same bucket (-1 ends the
-chain). Positions are added in increasing order, so a chain runs from the most recent occurrence backwards,
-and the chain starting at ``prev[L-1]`` visits every earlier position whose ``min_ngram``-gram hashes like
-the text's current one (colliding grams are filtered by comparing tokens).
+The text is prompt + committed output, extended as tokens are committed, indexed by its ``min_ngram``-grams
+with the hash-chain index of `suffix_index.py`: the chain starting at ``prev[L-1]`` visits every earlier
+position whose ``min_ngram``-gram hashes like the text's current one.
 
-The numba kernels below are pure functions of these arrays; the class only validates input and owns them.
+The numba kernel below is a pure function of these arrays; the class only validates input and owns them.
 """
 
 import numba
 import numpy as np
 
-_HASH_MUL = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio (Fibonacci hashing)
-
-
-@numba.njit(cache=True)
-def _mix(h, token):
-    """Return the uint64 hash state ``h`` updated with one token."""
-    h = (h ^ np.uint64(token)) * _HASH_MUL
-    return h ^ (h >> np.uint64(29))
-
-
-@numba.njit(cache=True)
-def _index_range(tokens, start, stop, m, bits, head, prev):
-    """Link positions ``p in [start, stop)`` that end a full ``m``-gram into the chains, in order.
-
-    The bucket of a gram is the top ``bits`` bits of its hash (the well-mixed ones of a multiplicative hash).
-    """
-    shift = np.uint64(64 - bits)
-    for p in range(max(start, m - 1), stop):
-        h = np.uint64(0)
-        for j in range(m):
-            h = _mix(h, tokens[p - j])
-        b = np.int64((h * _HASH_MUL) >> shift)
-        prev[p] = head[b]
-        head[b] = p
-
-
-@numba.njit(cache=True)
-def append_new_candidate(tokens, first, n, out, out_len, count):
-    """Write ``tokens[first:first+n]`` as candidate ``count`` of ``out`` / ``out_len`` unless it equals, or is a
-    prefix of, one of the ``count`` candidates already there; return whether it was written."""
-    for c in range(count):
-        if out_len[c] >= n:
-            same = True
-            for t in range(n):
-                if out[c, t] != tokens[first + t]:
-                    same = False
-                    break
-            if same:
-                return False
-    for t in range(n):
-        out[count, t] = tokens[first + t]
-    out_len[count] = n
-    return True
-
+from .checks import as_token_ids, check_int
+from .suffix_index import index_range, rank_candidates, table_bits
 
 @numba.njit(cache=True)
 def _search(tokens, length, min_n, max_n, prev, occ_pos, occ_len, out, out_len, out_first, out_match):
@@ -84,48 +39,6 @@ def _search(tokens, length, min_n, max_n, prev, occ_pos, occ_len, out, out_len, 
     return rank_candidates(tokens, length, occ_pos, occ_len, n_occ, max_n, min_n, out, out_len, out_first, out_match)
 
 
-@numba.njit(cache=True)
-def rank_candidates(tokens, end, occ_pos, occ_len, n_occ, k_hi, k_lo, out, out_len, out_first, out_match):
-    """Pass 2 of a suffix-match search: the continuations of the ``n_occ`` occurrences (``occ_pos`` ends of a
-    match of length ``occ_len``, newest first), longest match first (``k_hi`` down to ``k_lo``), then newest.
-
-    A continuation is ``tokens[p + 1:]`` cut at ``out``'s width, at ``end`` or at a negative token (a document
-    separator); one equal to or a prefix of a kept candidate is skipped. Writes ``out[:c], out_len[:c]``, the
-    first token's position ``out_first[:c]`` and the match length ``out_match[:c]``; returns ``c``.
-    """
-    max_candidates, max_len = out.shape
-    count = 0
-    for k in range(k_hi, k_lo - 1, -1):
-        for i in range(n_occ):
-            if occ_len[i] != k:
-                continue
-            first = occ_pos[i] + 1
-            n = 0
-            while n < max_len and first + n < end and tokens[first + n] >= 0:
-                n += 1
-            if not append_new_candidate(tokens, first, n, out, out_len, count):
-                continue
-            out_first[count], out_match[count] = first, k
-            count += 1
-            if count == max_candidates:
-                return count
-    return count
-
-
-def _check_int(name: str, value: object, low: int) -> int:
-    """Return ``value`` as an int; raise ValueError naming ``name`` unless it is an int ``>= low``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return int(value)
-
-
-def _table_bits(capacity: int) -> int:
-    """Hash-table bits giving at least ``2 * capacity`` buckets (load factor <= 1/2)."""
-    return (2 * capacity - 1).bit_length()
-
-
 class PromptLookup:
     """Incremental prompt-lookup drafter over the committed text (prompt + output).
 
@@ -141,10 +54,10 @@ class PromptLookup:
     """
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, capacity: int = 4096) -> None:
-        self.min_ngram = _check_int("min_ngram", min_ngram, 1)
-        self.max_ngram = _check_int("max_ngram", max_ngram, self.min_ngram)
+        self.min_ngram = check_int("min_ngram", min_ngram, 1)
+        self.max_ngram = check_int("max_ngram", max_ngram, self.min_ngram)
         self._length = 0
-        self._allocate(_check_int("capacity", capacity, 1))
+        self._allocate(check_int("capacity", capacity, 1))
         # Warm up (compile, or load from the on-disk cache) on the empty text: no state changes.
         self._index(0, 0)
         _search(self._tokens, 0, self.min_ngram, self.max_ngram, self._prev, self._occ_pos,
@@ -158,7 +71,7 @@ class PromptLookup:
         if self._length:
             tokens[: self._length] = self._tokens[: self._length]
         self._tokens = tokens  # [capacity]; text is tokens[:length]
-        self._bits = _table_bits(capacity)
+        self._bits = table_bits(capacity)
         self._head = np.full(1 << self._bits, -1, dtype=np.int32)  # [2**bits] latest position per bucket
         self._prev = np.full(capacity, -1, dtype=np.int32)  # [capacity] previous position in the bucket
         self._occ_pos = np.zeros(capacity, dtype=np.int32)  # [capacity] search scratch
@@ -166,21 +79,16 @@ class PromptLookup:
         self._index(0, self._length)
 
     def _index(self, start: int, stop: int) -> None:
-        _index_range(self._tokens, start, stop, self.min_ngram, self._bits, self._head, self._prev)
+        index_range(self._tokens, start, stop, self.min_ngram, self._bits, self._head, self._prev)
 
     def extend(self, tokens: np.ndarray | list[int]) -> None:
         """Append committed tokens (``[T]`` integer, any ``T >= 0``) to the text and index them.
 
         Raises ValueError naming ``tokens`` if it is not 1-D, not integer, or holds a negative id.
         """
-        raw = np.asarray(tokens)
-        if raw.ndim != 1 or (raw.size > 0 and raw.dtype.kind not in "iu"):
-            raise ValueError(f"tokens must be a 1-D integer sequence, got {raw.dtype} of shape {raw.shape}")
-        if raw.size == 0:
+        arr = as_token_ids("tokens", tokens)
+        if arr.size == 0:
             return
-        arr = raw.astype(np.int64, copy=False)  # ids beyond int64 wrap negative and are rejected below
-        if arr.min() < 0:
-            raise ValueError(f"tokens must be token ids in [0, 2**63), got [{raw.min()}, {raw.max()}]")
         start, stop = self._length, self._length + arr.shape[0]
         if stop > self._tokens.shape[0]:
             capacity = self._tokens.shape[0]
@@ -202,8 +110,8 @@ class PromptLookup:
         Afterwards ``last_match_lengths`` ([c] int64) holds each returned candidate's match length.
         Raises ValueError naming ``max_candidates`` (< 0) or ``max_len`` (< 1).
         """
-        max_candidates = _check_int("max_candidates", max_candidates, 0)
-        max_len = _check_int("max_len", max_len, 1)
+        max_candidates = check_int("max_candidates", max_candidates, 0)
+        max_len = check_int("max_len", max_len, 1)
         out = np.empty((max_candidates, max_len), dtype=np.int64)  # [max_candidates, max_len]
         out_len = np.empty(max_candidates, dtype=np.int64)  # [max_candidates]
         out_first = np.empty(max_candidates, dtype=np.int64)  # [max_candidates] (unused here)

@@ -7,10 +7,9 @@ each followed by a separator (-1) so that no match or continuation crosses a doc
 
     arena:  [ doc A ........ | -1 | doc B ..... | -1 | (evicted: all -1) | -1 | doc C ... | -1 | free ... ]
 
-An index maps every ``min_match``-gram of the arena (by a hash of its tokens) to a chain of the positions where
-it ends: ``head[bucket]`` is the latest position, ``prev[p]`` the previous one in that bucket (-1 ends it).
-Positions are appended in increasing order, so a chain runs from the newest occurrence backwards. Evicting a
-document overwrites its tokens with -1: chains still pass through its positions, but no query matches there.
+The arena is indexed by its ``min_match``-grams with the hash-chain index of `suffix_index.py` (a chain runs
+from the newest occurrence backwards; grams holding a separator are not indexed). Evicting a document
+overwrites its tokens with -1: chains still pass through its positions, but no query matches there.
 When the arena is full, live documents are compacted to its front and the index is rebuilt (amortized O(1)
 per token, as at most half of the arena is dead when that happens after a growth).
 
@@ -28,39 +27,10 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from .prompt_lookup import rank_candidates
+from .checks import as_token_ids, check_int
+from .suffix_index import gram_bucket, index_range, rank_candidates, table_bits
 
-_HASH_MUL = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio (Fibonacci hashing)
 _FREE = -1  # separator / evicted / unused arena slot; never a token id
-
-
-@numba.njit(cache=True)
-def _bucket(tokens, p, m, shift):
-    """Bucket of the ``m``-gram ending at ``p`` (top bits of a multiplicative hash), or -1 if the gram has a
-    free slot (separator, evicted token) or starts before the array."""
-    if p - m + 1 < 0:
-        return -1
-    h = np.uint64(0)
-    for j in range(m):
-        token = tokens[p - j]
-        if token < 0:
-            return -1
-        h = (h ^ np.uint64(token)) * _HASH_MUL
-        h = h ^ (h >> np.uint64(29))
-    return np.int64((h * _HASH_MUL) >> shift)
-
-
-@numba.njit(cache=True)
-def _index_range(tokens, start, stop, m, bits, head, prev):
-    """Link the positions ``p in [start, stop)`` that end a full ``m``-gram into the chains, in order."""
-    shift = np.uint64(64 - bits)
-    for p in range(start, stop):
-        b = _bucket(tokens, p, m, shift)
-        if b < 0:
-            prev[p] = -1
-            continue
-        prev[p] = head[b]
-        head[b] = p
 
 
 @numba.njit(cache=True)
@@ -77,7 +47,7 @@ def _search(tokens, m, bits, head, prev, query, max_probes, occ_pos, occ_len, ou
         return 0
     # Hash the query's last m tokens exactly as the index hashes an arena gram.
     shift = np.uint64(64 - bits)
-    b = _bucket(query, q - 1, m, shift)
+    b = gram_bucket(query, q - 1, m, shift)
     # Pass 1: up to max_probes occurrences, newest first, with their match length (>= m filters collisions).
     n_occ = 0
     p = head[b]
@@ -105,26 +75,6 @@ class _Document:
     digest: bytes
 
 
-def _check_int(name: str, value: object, low: int) -> int:
-    """Return ``value`` as an int; raise ValueError naming ``name`` unless it is an int ``>= low``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return int(value)
-
-
-def _as_tokens(name: str, tokens: object) -> np.ndarray:
-    """``tokens`` as a 1-D int64 array of token ids; raise ValueError naming ``name`` otherwise."""
-    raw = np.asarray(tokens)
-    if raw.ndim != 1 or (raw.size > 0 and raw.dtype.kind not in "iu"):
-        raise ValueError(f"{name} must be a 1-D integer sequence, got {raw.dtype} of shape {raw.shape}")
-    arr = raw.astype(np.int64, copy=False)
-    if arr.size and arr.min() < 0:
-        raise ValueError(f"{name} must hold token ids >= 0, got minimum {arr.min()}")
-    return arr
-
-
 class SuffixCache:
     """Cross-request drafter over recently seen documents (prompt + output token sequences).
 
@@ -142,10 +92,10 @@ class SuffixCache:
 
     def __init__(self, max_tokens: int = 1 << 16, min_match: int = 2, max_match: int = 32,
                  max_probes: int = 256) -> None:
-        self.max_tokens = _check_int("max_tokens", max_tokens, 1)
-        self.min_match = _check_int("min_match", min_match, 1)
-        self.max_match = _check_int("max_match", max_match, self.min_match)
-        self.max_probes = _check_int("max_probes", max_probes, 1)
+        self.max_tokens = check_int("max_tokens", max_tokens, 1)
+        self.min_match = check_int("min_match", min_match, 1)
+        self.max_match = check_int("max_match", max_match, self.min_match)
+        self.max_probes = check_int("max_probes", max_probes, 1)
         self._lock = threading.Lock()
         self._docs: OrderedDict[int, _Document] = OrderedDict()  # LRU first, most recent last
         self._by_digest: dict[bytes, int] = {}
@@ -164,7 +114,7 @@ class SuffixCache:
         Documents shorter than ``min_match + 1`` tokens are ignored (they cannot yield a draft).
         Raises ValueError naming ``tokens`` if it is not 1-D integer token ids (>= 0).
         """
-        doc = _as_tokens("tokens", tokens)[-self.max_tokens:]
+        doc = as_token_ids("tokens", tokens)[-self.max_tokens:]
         if doc.shape[0] <= self.min_match:
             return
         digest = hashlib.blake2b(doc.tobytes(), digest_size=16).digest()
@@ -195,9 +145,9 @@ class SuffixCache:
         ``k``, longest first, then newest first; a candidate equal to or a prefix of a kept one is skipped.
         Raises ValueError naming ``text``, ``max_candidates`` (< 0) or ``max_len`` (< 1).
         """
-        query = _as_tokens("text", text)[-self.max_match:]
-        max_candidates = _check_int("max_candidates", max_candidates, 0)
-        max_len = _check_int("max_len", max_len, 1)
+        query = as_token_ids("text", text)[-self.max_match:]
+        max_candidates = check_int("max_candidates", max_candidates, 0)
+        max_len = check_int("max_len", max_len, 1)
         out = np.empty((max_candidates, max_len), dtype=np.int64)  # [max_candidates, max_len]
         out_len = np.empty(max_candidates, dtype=np.int64)  # [max_candidates]
         out_first = np.empty(max_candidates, dtype=np.int64)  # [max_candidates] arena positions
@@ -230,13 +180,13 @@ class SuffixCache:
         """Fresh arena of ``capacity`` slots (all free) and an empty index; forgets every document."""
         self._tokens = np.full(capacity + 1, _FREE, dtype=np.int64)  # [capacity + 1]; last slot stays free
         self._owner = np.full(capacity + 1, -1, dtype=np.int64)  # [capacity + 1] document id per slot
-        self._bits = (2 * capacity - 1).bit_length()  # >= 2 buckets per slot: load factor <= 1/2
+        self._bits = table_bits(capacity)  # >= 2 buckets per slot: load factor <= 1/2
         self._head = np.full(1 << self._bits, -1, dtype=np.int32)  # [2**bits] newest position per bucket
         self._prev = np.full(capacity + 1, -1, dtype=np.int32)  # [capacity + 1] previous position in bucket
         self._used = 0
 
     def _index(self, start: int, stop: int) -> None:
-        _index_range(self._tokens, start, stop, self.min_match, self._bits, self._head, self._prev)
+        index_range(self._tokens, start, stop, self.min_match, self._bits, self._head, self._prev)
 
     def _evict(self, doc_id: int) -> None:
         """Drop a document: its slots become free (dead until the next compaction)."""
