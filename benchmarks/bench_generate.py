@@ -1,19 +1,27 @@
-"""Speed suite: HF greedy, HF prompt lookup, HF assisted generation and lookahead (model-free, and with the
-draft model when one is given) on the same prompts.
+"""Speed suite: HF greedy, HF prompt lookup, HF assisted generation and lookahead (model-free, its own loop with
+speculation off, each model-free drafter alone, with the draft model when one is given, and sampled) on the same
+prompts.
 
     python benchmarks/bench_generate.py [--model PATH] [--categories code rag ...] [--prompts-per-category 4]
         [--max-new-tokens 128] [--repeats 2] [--threads 2] [--methods hf_greedy lookahead ...]
-        [--config window_levels=3 ...] [--draft-model PATH | --draft-layers N]
-        [--out benchmarks/results/NAME.json] [--plots]
+        [--ablation] [--sample] [--config window_levels=3 ...] [--draft-model PATH | --draft-layers N]
+        [--warm-recycle] [--out benchmarks/results/NAME.json] [--plots]
 
-All methods run in one process on the same encoded prompts, greedy (`do_sample=False`). After one untimed
-warm-up run per method, every repetition visits every prompt and runs all methods on it in an order rotated
-from prompt to prompt, so slow phases of a noisy machine hit every method alike. Each run records its time, new
-tokens, target forwards (counted with a forward pre-hook, the same way for every method) and whether its output
-is token-identical to HF greedy on the same prompt and repetition. Per category the summary gives, for each
-method, the sum over prompts of the median (and of the min) time over repetitions, the speedups as ratios of
-those sums, tokens per step, tokens/s and the identical-output rate. The markdown table printed at the end is
-ready for the README; the JSON holds every run, the summary, the settings, the machine and the command line.
+All methods run in one process on the same encoded prompts, greedy (`do_sample=False`) except the sampled pair
+(`hf_sample`, `lookahead_sample`: T=0.7, top_p=0.95, lookahead seeded). After one untimed warm-up run per
+method, every repetition visits every prompt and runs all methods on it in an order rotated from prompt to
+prompt, so slow phases of a noisy machine hit every method alike. Each run records its time, new tokens, target
+forwards (counted with a forward pre-hook, the same way for every method) and, for greedy methods, whether its
+output is token-identical to HF greedy on the same prompt and repetition. Per category the summary gives, for
+each method, the sum over prompts of the median (and of the min) time over repetitions, the speedups over each
+baseline that ran (ratios of tokens per second: of times when the outputs are identical), tokens per step,
+tokens/s, the planner's predicted tokens per step and the identical-output rate. The markdown tables printed at
+the end are ready for the README; the JSON holds every run, the summary, the settings, the machine and the
+command line.
+
+Token recycling keeps its table across the calls of one `Lookahead` object. So that a repetition never drafts
+from its own earlier output, each run starts from the table as it stood before that prompt's first run (warm
+from the earlier prompts only); `--warm-recycle` keeps the table as it is instead.
 """
 
 from __future__ import annotations
@@ -33,26 +41,45 @@ import torch
 
 from prompts import CATEGORIES, DEFAULT_CATEGORIES, DEFAULT_PROMPTS_DIR, Prompt, encode, load_prompts
 
-METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted", "lookahead", "lookahead_draft", "lookahead_off")
-DEFAULT_METHODS = ("hf_greedy", "hf_prompt_lookup", "lookahead")
+# Each model-free drafter alone (`--ablation`), as overrides of the `lookahead` config. The window's n-grams reach
+# the tree through the pool, so the window runs with a pool fed by the window only.
+ABLATION = {
+    "lookahead_prompt": dict(window_levels=0, pool_candidates=0, recycle_nodes=0),
+    "lookahead_pool": dict(window_levels=0, prompt_candidates=0, recycle_nodes=0),
+    "lookahead_window": dict(pool_from_text=False, prompt_candidates=0, recycle_nodes=0),
+    "lookahead_recycle": dict(window_levels=0, pool_candidates=0, prompt_candidates=0),
+}
+SAMPLED_METHODS = ("hf_sample", "lookahead_sample")  # `--sample`
+SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.95)
+SAMPLE_SEED = 1234  # lookahead_sample's Gumbel seed
+METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted", "lookahead", "lookahead_draft", "lookahead_off",
+           *ABLATION, *SAMPLED_METHODS)
+DEFAULT_METHODS = ("hf_greedy", "hf_prompt_lookup", "lookahead", "lookahead_off")
 DRAFT_METHODS = ("hf_assisted", "lookahead_draft")  # need a draft model; added to the defaults when one is given
-REFERENCE = "hf_greedy"  # outputs of every other method are compared with it, token for token
-BASELINES = ("hf_greedy", "hf_prompt_lookup")  # speedups are reported against these
+REFERENCE = "hf_greedy"  # outputs of every other greedy method are compared with it, token for token
+# Speedups are reported against each baseline that ran: sampled methods against HF sampling only, greedy ones
+# against the others.
+BASELINES = ("hf_greedy", "hf_prompt_lookup", "lookahead_off")
+SAMPLED_BASELINES = ("hf_sample",)
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def run_suite(model, tokenizer, prompts: list[Prompt], methods, repeats: int, max_new_tokens: int,
-              config, *, prompt_lookup_tokens: int = 10, draft_model=None, progress: bool = True) -> dict:
+              config, *, prompt_lookup_tokens: int = 10, draft_model=None, progress: bool = True,
+              warm_recycle: bool = False) -> dict:
     """Run every method on every prompt `repeats` times (interleaved) and summarize.
 
     `config` is the `LookaheadConfig` of the `lookahead` method (`lookahead_off` always uses
-    `LookaheadConfig.off()`, `lookahead_draft` adds `draft_model`); `hf_assisted` and `lookahead_draft` need
-    `draft_model`. Returns a JSON-ready dict with `settings`,
-    `prompts` (id, category, prompt tokens), `runs` (one dict per timed run, see `_timed_run`) and `summary`
-    (see `summarize`). Raises `ValueError` for an unknown method, a missing draft model or bad counts.
+    `LookaheadConfig.off()`, `lookahead_draft` adds `draft_model`, the ablation methods override it with
+    `ABLATION`, `lookahead_sample` adds a seed); `hf_assisted` and `lookahead_draft` need `draft_model`.
+    `warm_recycle`: keep each `Lookahead`'s recycling table across runs as it is (default: every run of a prompt
+    starts from the table as it stood before that prompt's first run). Returns a JSON-ready dict with
+    `settings`, `prompts` (id, category, prompt tokens), `runs` (one dict per timed run, see `_timed_run`) and
+    `summary` (see `summarize`). Raises `ValueError` for an unknown method, a missing draft model or bad counts.
     """
     _check_suite_args(methods, repeats, max_new_tokens, prompts, draft_model)
     kwargs = method_kwargs(methods, config, prompt_lookup_tokens, draft_model)
+    tables = RecycleTables(kwargs, enabled=not warm_recycle)
     encoded = [encode(tokenizer, prompt).to(model.device) for prompt in prompts]  # [1, L] each
     bar = _progress_bar(len(methods) * (1 + repeats * len(prompts)), progress)
     with ForwardCounter(model) as counter:
@@ -60,12 +87,20 @@ def run_suite(model, tokenizer, prompts: list[Prompt], methods, repeats: int, ma
             bar.set_postfix_str(f"warm-up {method}")
             _timed_run(model, encoded[0], method, kwargs[method], max_new_tokens, counter)
             bar.update()
-        runs = interleaved_runs(prompts, encoded, list(methods), repeats, bar, lambda input_ids, method: _timed_run(
-            model, input_ids, method, kwargs[method], max_new_tokens, counter))
+        tables.clear()  # the warm-up prompt is a suite prompt too
+
+        def run_one(input_ids, method, prompt_id):
+            tables.before_run(method, prompt_id)
+            return _timed_run(model, input_ids, method, kwargs[method], max_new_tokens, counter)
+
+        runs = interleaved_runs(prompts, encoded, list(methods), repeats, bar, run_one)
     bar.close()
     return {
         "settings": {"methods": list(methods), "repeats": repeats, "max_new_tokens": max_new_tokens,
                      "prompt_lookup_tokens": prompt_lookup_tokens, "lookahead_config": config.as_dict(),
+                     "ablation": {m: ABLATION[m] for m in methods if m in ABLATION},
+                     "sampling": {**SAMPLING, "lookahead_seed": SAMPLE_SEED} if set(methods) & set(SAMPLED_METHODS)
+                     else None, "warm_recycle": warm_recycle,
                      "dtype": str(model.dtype).removeprefix("torch.")},
         "prompts": [{"id": p.id, "category": p.category, "chat": p.chat, "prompt_tokens": int(ids.shape[1])}
                     for p, ids in zip(prompts, encoded)],
@@ -77,8 +112,8 @@ def run_suite(model, tokenizer, prompts: list[Prompt], methods, repeats: int, ma
 def interleaved_runs(prompts: list[Prompt], encoded: list, methods: list[str], repeats: int, bar,
                      run_one) -> list[dict]:
     """`repeats` rounds over the prompts; on each prompt every method runs once, in an order rotated from prompt
-    to prompt. run_one(input_ids, method) -> run dict; each run gets prompt_id, category, repeat, slot and the
-    identity marks of `mark_identity`. `bar` is advanced once per run."""
+    to prompt. run_one(input_ids, method, prompt_id) -> run dict; each run gets prompt_id, category, repeat, slot
+    and the identity marks of `mark_identity`. `bar` is advanced once per run."""
     runs: list[dict] = []
     for repeat in range(repeats):
         for index, (prompt, input_ids) in enumerate(zip(prompts, encoded)):
@@ -86,7 +121,7 @@ def interleaved_runs(prompts: list[Prompt], encoded: list, methods: list[str], r
             for slot, method in enumerate(rotated(methods, repeat * len(prompts) + index)):
                 bar.set_postfix_str(f"{prompt.category} {method}")
                 round_runs.append(dict(prompt_id=prompt.id, category=prompt.category, repeat=repeat, slot=slot,
-                                       **run_one(input_ids, method)))
+                                       **run_one(input_ids, method, prompt.id)))
                 bar.update()
             mark_identity(round_runs)
             runs += round_runs
@@ -104,8 +139,46 @@ def method_kwargs(methods, config, prompt_lookup_tokens: int, draft_model) -> di
         "lookahead": lambda: {"custom_generate": Lookahead(config)},
         "lookahead_draft": lambda: {"custom_generate": Lookahead(config, draft_model=draft_model)},
         "lookahead_off": lambda: {"custom_generate": Lookahead(LookaheadConfig.off())},
+        "hf_sample": lambda: dict(SAMPLING),
+        "lookahead_sample": lambda: {"custom_generate": Lookahead(config.with_overrides(seed=SAMPLE_SEED)),
+                                     **SAMPLING},
     }
+    for name, overrides in ABLATION.items():
+        window = {"window_levels": config.window_levels or 2} if name == "lookahead_window" else {}
+        table[name] = lambda o=overrides, w=window: {"custom_generate": Lookahead(config.with_overrides(**o, **w))}
     return {method: table[method]() for method in methods}
+
+
+class RecycleTables:
+    """Keeps each run of a prompt from drafting with recycled predictions of that prompt's earlier runs.
+
+    Each `Lookahead` object of `kwargs` that owns a recycling table (`recycle_table`) gets, before a run, the
+    table as it stood before the first run of that prompt (taken then); disabled, it does nothing.
+    """
+
+    def __init__(self, kwargs: dict[str, dict], enabled: bool):
+        self.tables = {}
+        for method, extra in kwargs.items():
+            table = getattr(extra.get("custom_generate"), "recycle_table", None)
+            if enabled and table is not None:
+                self.tables[method] = table
+        self.saved: dict[tuple[str, str], object] = {}
+
+    def clear(self) -> None:
+        """Empty every table (after the warm-up)."""
+        for table in self.tables.values():
+            table.clear()
+
+    def before_run(self, method: str, prompt_id: str) -> None:
+        """Restore (or, on the prompt's first run, save) the table of `method` for `prompt_id`."""
+        table = self.tables.get(method)
+        if table is None:
+            return
+        key = (method, prompt_id)
+        if key in self.saved:
+            table.restore(self.saved[key])
+        else:
+            self.saved[key] = table.snapshot()
 
 
 class ForwardCounter:
@@ -127,7 +200,7 @@ class ForwardCounter:
 
 def _timed_run(model, input_ids: torch.Tensor, method: str, kwargs: dict, max_new_tokens: int,
                counter: ForwardCounter) -> dict:
-    """Generate once greedily and measure it.
+    """Generate once (greedy unless `kwargs` sample) and measure it.
 
     Returns `method`, `seconds`, `prompt_tokens`, `new_tokens`, `tokens_per_second`, `forwards` (target forwards,
     prefill included), `tokens_per_step` (new tokens after the first, per target forward after the first),
@@ -135,8 +208,9 @@ def _timed_run(model, input_ids: torch.Tensor, method: str, kwargs: dict, max_ne
     """
     counter.count = 0
     start = time.perf_counter()
+    kwargs = {"do_sample": False, **kwargs}
     output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                            do_sample=False, **kwargs)  # [1, L + new]
+                            **kwargs)  # [1, L + new]
     seconds = time.perf_counter() - start
     tokens = output[0, input_ids.shape[1]:].tolist()
     decoder = kwargs.get("custom_generate")
@@ -146,6 +220,7 @@ def _timed_run(model, input_ids: torch.Tensor, method: str, kwargs: dict, max_ne
         "tokens_per_second": len(tokens) / seconds, "forwards": counter.count,
         "tokens_per_step": (len(tokens) - 1) / steps if steps > 0 else 1.0,
         "tokens": tokens, "stats": decoder.last_stats.as_dict() if decoder is not None else None,
+        "sampled": bool(kwargs["do_sample"]),
     }
 
 
@@ -159,13 +234,14 @@ def rotated(methods, shift: int) -> list[str]:
 def mark_identity(round_runs: list[dict]) -> None:
     """Set `identical` and `first_divergence` on each run of one prompt and repetition, vs `REFERENCE`.
 
-    Both stay None for the reference itself and when it did not run; `first_divergence` is the index of the
-    first differing new token (or the shorter length when one output is a prefix of the other).
+    Both stay None for the reference itself, for sampled runs and when the reference did not run;
+    `first_divergence` is the index of the first differing new token (or the shorter length when one output is
+    a prefix of the other).
     """
     reference = next((run["tokens"] for run in round_runs if run["method"] == REFERENCE), None)
     for run in round_runs:
         run["identical"] = run["first_divergence"] = None
-        if reference is None or run["method"] == REFERENCE:
+        if reference is None or run["method"] == REFERENCE or run.get("sampled"):
             continue
         run["identical"] = run["tokens"] == reference
         if not run["identical"]:
@@ -175,18 +251,21 @@ def mark_identity(round_runs: list[dict]) -> None:
 
 
 def summarize(runs: list[dict], methods) -> dict:
-    """Per group (each category, then "all") and method: times, rates and speedups (see `_method_summary`)."""
+    """Per group (each category, then "all") and method: times, rates and speedups (see `_method_summary`).
+
+    Speedups (`speedup_vs_<baseline>`, see `_add_speedups`) are against every baseline of BASELINES that ran for
+    greedy methods, and of SAMPLED_BASELINES for sampled ones."""
     groups = list(dict.fromkeys(run["category"] for run in runs))  # in run (= prompt) order
     summary = {}
     for group in [*groups, "all"]:
         members = [run for run in runs if group in ("all", run["category"])]
         by_method = {m: [run for run in members if run["method"] == m] for m in methods}
-        medians = {m: _prompt_times(rs, statistics.median) for m, rs in by_method.items()}
         per_method = {m: _method_summary(rs) for m, rs in by_method.items()}
         for method, entry in per_method.items():
-            for baseline in BASELINES:
-                if baseline in per_method and entry["runs"]:
-                    _add_speedups(entry, per_method[baseline], baseline, medians[method], medians[baseline])
+            sampled = any(run.get("sampled") for run in by_method[method])
+            for baseline in SAMPLED_BASELINES if sampled else BASELINES:
+                if baseline in per_method and entry["runs"] and per_method[baseline]["runs"]:
+                    _add_speedups(entry, per_method[baseline], baseline, by_method[method], by_method[baseline])
         summary[group] = per_method
     return summary
 
@@ -199,13 +278,22 @@ def _prompt_times(runs: list[dict], reduce) -> dict[str, float]:
     return {pid: reduce(seconds) for pid, seconds in by_prompt.items()}
 
 
+def _prompt_rates(runs: list[dict]) -> dict[str, float]:
+    """Per prompt id, median new tokens / median time (tokens per second)."""
+    times, tokens = _prompt_times(runs, statistics.median), {}
+    for run in runs:
+        tokens.setdefault(run["prompt_id"], []).append(run["new_tokens"])
+    return {pid: statistics.median(tokens[pid]) / t for pid, t in times.items()}
+
+
 def _method_summary(runs: list[dict]) -> dict:
     """Aggregate the runs of one method over a group of prompts.
 
     `time_median_s` / `time_min_s` are sums over prompts of the per-prompt median / min over repetitions;
     `tokens_per_second` divides the summed per-prompt median new tokens by `time_median_s`; `tokens_per_step`
     is tokens committed per target forward after the prefill, pooled over all runs; `identical_rate` is None
-    when no run was checked.
+    when no run was checked. Lookahead methods add `rows_per_step` (rows verified per decoding step) and
+    `expected_tokens_per_step` (the planner's mean prediction over the steps it predicted), pooled.
     """
     new_tokens: dict[str, list[int]] = {}
     for run in runs:
@@ -215,35 +303,49 @@ def _method_summary(runs: list[dict]) -> dict:
     time_min = sum(_prompt_times(runs, min).values())
     steps = sum(run["forwards"] - 1 for run in runs)
     checked = [run["identical"] for run in runs if run["identical"] is not None]
+    stats = [run["stats"] for run in runs if run.get("stats")]
+    predictions = [pair[0] for s in stats for pair in s.get("calibration", [])]
     return {
         "prompts": len(new_tokens), "runs": len(runs),
         "time_median_s": time_median, "time_min_s": time_min, "new_tokens": tokens,
         "tokens_per_second": tokens / time_median if time_median else 0.0,
         "tokens_per_second_best": tokens / time_min if time_min else 0.0,
         "tokens_per_step": sum(run["new_tokens"] - 1 for run in runs) / steps if steps > 0 else 1.0,
+        "rows_per_step": sum(s["rows_verified"] for s in stats) / max(1, sum(s["steps"] for s in stats))
+        if stats else None,
+        "expected_tokens_per_step": sum(predictions) / len(predictions) if predictions else None,
         "identical_runs": sum(checked), "checked_runs": len(checked),
         "identical_rate": sum(checked) / len(checked) if checked else None,
     }
 
 
-def _add_speedups(entry: dict, base: dict, baseline: str, medians: dict, base_medians: dict) -> None:
-    """Add `speedup_vs_<baseline>` (ratio of summed median times), `..._min` (of summed minima) and
-    `speedup_per_prompt_vs_<baseline>` (per-prompt ratio of median times) to `entry`."""
-    entry[f"speedup_vs_{baseline}"] = base["time_median_s"] / entry["time_median_s"]
-    entry[f"speedup_vs_{baseline}_min"] = base["time_min_s"] / entry["time_min_s"]
-    entry[f"speedup_per_prompt_vs_{baseline}"] = {pid: base_medians[pid] / t for pid, t in medians.items()}
+def _add_speedups(entry: dict, base: dict, baseline: str, runs: list[dict], base_runs: list[dict]) -> None:
+    """Add `speedup_vs_<baseline>` (ratio of the median-based tokens/s), `..._min` (of the min-based ones) and
+    `speedup_per_prompt_vs_<baseline>` (per prompt, ratio of median tokens / median time) to `entry`. With
+    identical outputs these are ratios of times; sampled outputs differ in length, so rates are compared."""
+    entry[f"speedup_vs_{baseline}"] = entry["tokens_per_second"] / base["tokens_per_second"]
+    entry[f"speedup_vs_{baseline}_min"] = entry["tokens_per_second_best"] / base["tokens_per_second_best"]
+    rates, base_rates = _prompt_rates(runs), _prompt_rates(base_runs)
+    entry[f"speedup_per_prompt_vs_{baseline}"] = {pid: r / base_rates[pid] for pid, r in rates.items()
+                                                  if pid in base_rates}
 
 
 def format_tables(result: dict) -> str:
-    """Markdown: the machine and command line, then one table per non-baseline method (rows: categories, all).
+    """Markdown: the machine and command line, one table per greedy method that is not a baseline or an ablation
+    variant (rows: categories, all), then the ablation table and the sampled table when those methods ran.
 
     `result` is `run_suite`'s dict plus `machine` (`machine_info`), `model` (a name) and `command` (a string).
     """
     methods = result["settings"]["methods"]
-    subjects = [m for m in methods if m not in BASELINES] or [m for m in methods if m != REFERENCE] or methods
+    plain = [m for m in methods if m not in ABLATION and m not in SAMPLED_METHODS]
+    subjects = [m for m in plain if m not in BASELINES] or [m for m in plain if m != REFERENCE] or plain
     lines = [_machine_line(result), "", f"Command: `{result['command']}`", ""]
     for method in subjects:
         lines += _method_table(result, method) + [""]
+    if any(m in ABLATION for m in methods):
+        lines += _ablation_table(result) + [""]
+    if all(m in methods for m in SAMPLED_METHODS):
+        lines += _sampled_table(result) + [""]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -258,20 +360,58 @@ def _machine_line(result: dict) -> str:
 
 
 def _method_table(result: dict, method: str) -> list[str]:
-    """Rows of one method's markdown table: tok/s of the baselines and the method, speedups, tok/step, identity."""
+    """Rows of one method's markdown table: tok/s of the baselines and the method, speedups over HF greedy, HF
+    prompt lookup and lookahead's own loop without speculation, tok/step (observed and predicted), identity."""
     summary = result["summary"]
     header = ["category", "prompts", "HF greedy tok/s", "HF prompt lookup tok/s", f"{method} tok/s",
-              "× greedy (median / min)", "× prompt lookup (median / min)", "tokens/step", "identical"]
+              "× greedy (median / min)", "× prompt lookup (median / min)", "× mode off (median / min)",
+              "tokens/step", "predicted tokens/step", "identical"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     for group, per_method in summary.items():
         entry = per_method[method]
         cells = [group if group != "all" else "**all**", str(entry["prompts"]),
                  _rate(per_method.get("hf_greedy")), _rate(per_method.get("hf_prompt_lookup")), _rate(entry),
-                 _speedup(entry, "hf_greedy"), _speedup(entry, "hf_prompt_lookup"),
-                 f"{entry['tokens_per_step']:.2f}",
+                 _speedup(entry, "hf_greedy"), _speedup(entry, "hf_prompt_lookup"), _speedup(entry, "lookahead_off"),
+                 f"{entry['tokens_per_step']:.2f}", _number(entry.get("expected_tokens_per_step")),
                  f"{entry['identical_runs']}/{entry['checked_runs']}" if entry["checked_runs"] else "–"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _ablation_table(result: dict) -> list[str]:
+    """Each drafter alone and all together: per category, tokens/step and speedup over HF greedy (median)."""
+    methods = [m for m in result["settings"]["methods"] if m in ABLATION or m == "lookahead"]
+    names = [m.removeprefix("lookahead_") if m != "lookahead" else "all" for m in methods]
+    header = ["category", *(f"{n}: tok/step · × greedy" for n in names), "all: rows/step"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    for group, per_method in result["summary"].items():
+        cells = [group if group != "all" else "**all**"]
+        for method in methods:
+            entry = per_method[method]
+            ratio = entry.get("speedup_vs_hf_greedy")
+            cells.append(f"{entry['tokens_per_step']:.2f} · " + (f"{ratio:.2f}x" if ratio else "–"))
+        cells.append(_number(per_method.get("lookahead", {}).get("rows_per_step"), 1))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _sampled_table(result: dict) -> list[str]:
+    """Sampled rows: HF sampling vs seeded lookahead sampling, tokens/s and speedup (speed only)."""
+    header = ["category (sampled)", "HF sampling tok/s", "lookahead tok/s", "× HF sampling (median / min)",
+              "tokens/step", "predicted tokens/step"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    for group, per_method in result["summary"].items():
+        entry = per_method["lookahead_sample"]
+        cells = [group if group != "all" else "**all**", _rate(per_method.get("hf_sample")), _rate(entry),
+                 _speedup(entry, "hf_sample"), f"{entry['tokens_per_step']:.2f}",
+                 _number(entry.get("expected_tokens_per_step"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _number(value: float | None, digits: int = 2) -> str:
+    """`value` with `digits` decimals, or a dash for None."""
+    return "–" if value is None else f"{value:.{digits}f}"
 
 
 def _rate(entry: dict | None) -> str:
@@ -390,12 +530,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                             "lookahead_draft")
     drafts.add_argument("--draft-layers", type=int, default=None,
                         help="self-speculative draft: the model's own first N layers and LM head")
+    parser.add_argument("--ablation", action="store_true",
+                        help=f"add each model-free drafter alone: {' '.join(ABLATION)}")
+    parser.add_argument("--sample", action="store_true",
+                        help="add sampled runs (T=0.7, top_p=0.95): hf_sample and lookahead_sample (seeded)")
+    parser.add_argument("--warm-recycle", action="store_true",
+                        help="keep the recycling tables as they are between runs (default: each run of a prompt "
+                             "starts from the table as it stood before that prompt's first run)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/<time>.json)")
     parser.add_argument("--plots", action="store_true", help="also save PNG plots next to the JSON")
     args = parser.parse_args(argv)
     has_draft = args.draft_model is not None or args.draft_layers is not None
     if args.methods is None:
         args.methods = [*DEFAULT_METHODS, *(DRAFT_METHODS if has_draft else ())]
+    extra = [*(ABLATION if args.ablation else ()), *(SAMPLED_METHODS if args.sample else ())]
+    args.methods += [m for m in extra if m not in args.methods]
     needing = [m for m in args.methods if m in DRAFT_METHODS]
     if needing and not has_draft:
         parser.error(f"--methods {needing[0]} needs --draft-model PATH or --draft-layers N")
@@ -448,7 +597,7 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_info(args.threads)
     result = run_suite(model, tokenizer, args.prompts, args.methods, args.repeats, args.max_new_tokens,
                        args.lookahead_config, prompt_lookup_tokens=args.prompt_lookup_tokens,
-                       draft_model=draft_model)
+                       draft_model=draft_model, warm_recycle=args.warm_recycle)
     machine["load_average"].append(os.getloadavg()[0])
     from lookahead.cost_curve import cost_curve_for
 

@@ -1,37 +1,71 @@
-"""Planning policy: how many rows to verify per step, from the cost curve and running acceptance rates.
+"""Planning policy: how many rows to verify per step, from the cost curve and learned acceptance estimates.
 
-Each step the policy keeps the draft-tree nodes and window rows that maximise expected committed tokens per
-unit of cost (`cost_curve.CostCurve`), using running acceptance rates per drafter.
+Each step the policy ranks the draft-tree nodes by the estimated probability that the verifier accepts the whole
+path to them, and keeps the nodes and window rows that maximise expected committed tokens per unit of cost
+(`cost_curve.CostCurve`).
+
+Why path probabilities: at most one child of a node is accepted (siblings carry distinct tokens), and a node can
+only be accepted once its parent is. So the tokens a tree commits are 1 (the bonus) plus the sum over its nodes of
+P(path to the node accepted) = the product, along the path, of P(node accepted | parent accepted). That
+conditional probability is learned online per source (drafter, split by match length or rank) and depth, from
+what the verifier accepts; the estimates of one node's children are capped to sum below 1.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
 from .cost_curve import CostCurve
 
 PROBE_EVERY = 16  # a resting draft model still drafts one token this often
+MAX_DEPTH = 8  # acceptance is estimated per depth 1..MAX_DEPTH; deeper nodes share the last estimate
+SIBLING_CAP = 0.99  # the children of one node together are accepted with probability below this
 
 
 class AcceptanceRates:
-    """Running per-drafter probability that a drafted token is accepted given its parent was.
+    """Running estimate, per source and depth, of P(node accepted | its parent accepted).
 
-    Counts decay by `decay` each step so the rates follow the text (grounded passages vs free chat).
+    Counts decay by `decay` each step so the estimates follow the text (grounded passages vs free chat); a cell
+    starts at `prior` with the weight of two observations.
     """
 
-    def __init__(self, n_sources: int, prior: float = 0.3, decay: float = 0.9):
-        self.accepted = np.full(n_sources, prior * 2.0)
-        self.tested = np.full(n_sources, 2.0)
+    def __init__(self, n_sources: int, prior: float = 0.3, decay: float = 0.9, depths: int = MAX_DEPTH):
+        self.accepted = np.full((n_sources, depths), prior * 2.0)  # [n_sources, depths]
+        self.tested = np.full((n_sources, depths), 2.0)  # [n_sources, depths]
         self.decay = decay
 
     def rates(self) -> np.ndarray:
-        """[n_sources] current acceptance estimates in (0, 1)."""
+        """[n_sources, depths] current estimates in (0, 1); column d - 1 is depth d."""
         return np.clip(self.accepted / self.tested, 0.01, 0.99)
 
     def update(self, tested: np.ndarray, accepted: np.ndarray) -> None:
-        """Add one step's per-source counts of tested and accepted draft tokens."""
+        """Add one step's counts ([n_sources, depths] each) of tested and accepted draft tokens."""
         self.accepted = self.accepted * self.decay + accepted
         self.tested = self.tested * self.decay + tested
+
+
+def path_values(tree, rates: np.ndarray) -> np.ndarray:
+    """[N] estimated P(path to node accepted) for every node of `tree` (root: 1.0).
+
+    rates: [n_sources, D] conditional acceptance per source and depth (depth d in column min(d, D) - 1). A node
+    is worth its parent's value times its own rate; the rates of one node's children are scaled down to sum to
+    at most SIBLING_CAP, as at most one of them can be accepted. Values never grow along a path.
+    """
+    n = tree.size
+    values = np.ones(n)
+    if n == 1:
+        return values
+    depth = np.minimum(tree.depth[1:], rates.shape[1]) - 1
+    cond = rates[tree.source[1:], depth]  # [N-1]
+    parents = tree.parents[1:]
+    sums = np.bincount(parents, weights=cond, minlength=n)  # [N] per parent
+    cond = cond * np.minimum(1.0, SIBLING_CAP / np.maximum(sums, 1e-12))[parents]
+    for level in range(1, int(tree.depth.max()) + 1):  # parents precede children: fill one depth at a time
+        nodes = np.flatnonzero(tree.depth[1:] == level)
+        values[nodes + 1] = values[parents[nodes]] * cond[nodes]
+    return values
 
 
 def best_row_count(scores: np.ndarray, window_rows: int, window_value: float, curve: CostCurve) -> tuple[int, bool]:
@@ -57,20 +91,24 @@ def best_row_count(scores: np.ndarray, window_rows: int, window_value: float, cu
     return best[1], best[2]
 
 
-def best_chain_length(rate: float, max_len: int, draft_cost: float, curve: CostCurve) -> int:
+def best_chain_length(rate, max_len: int, draft_cost: float, curve: CostCurve) -> int:
     """Draft-model chain length n in [0, max_len] maximising expected committed tokens per unit cost,
-    (1 + rate + ... + rate**n) / (ratio(1 + n) + n * draft_cost), where `draft_cost` is the time of one draft
-    token over one target decode step. 0 = do not run the draft model this step."""
+    (1 + c_1 + c_1 c_2 + ... + c_1...c_n) / (ratio(1 + n) + n * draft_cost), where c_d is the conditional
+    acceptance at depth d (`rate`: one float for every depth, or per depth [D], the last repeated beyond D) and
+    `draft_cost` the time of one draft token over one target decode step. 0 = do not run the draft model."""
+    rates = np.atleast_1d(np.asarray(rate, dtype=np.float64))
+    per_depth = rates[np.minimum(np.arange(max_len), len(rates) - 1)]  # [max_len]
+    gain = 1.0 + np.cumsum(np.cumprod(per_depth))  # [max_len] expected tokens with n = 1..max_len
     best_value, best_n = 1.0, 0
     for n in range(1, max_len + 1):
-        value = sum(rate**i for i in range(n + 1)) / (curve.ratio(1 + n) + n * draft_cost)
+        value = gain[n - 1] / (curve.ratio(1 + n) + n * draft_cost)
         if value > best_value * 1.02:
             best_value, best_n = value, n
     return best_n
 
 
 class StepPlanner:
-    """Per-step choice of tree size and window use from the cost curve and running acceptance rates."""
+    """Per-step choice of tree size and window use from the cost curve and learned acceptance estimates."""
 
     def __init__(self, curve: CostCurve | None, n_sources: int, window_rows: int):
         """curve None = not adaptive: always verify the whole tree and the window."""
@@ -79,50 +117,67 @@ class StepPlanner:
         self.window_value = 0.5  # running tokens/step credited to the window (via the pool it feeds)
         self.steps = 0
 
+    def rank(self, tree):
+        """`tree` with its scores replaced by the estimated path-acceptance probabilities (`path_values`; root:
+        inf), so `prune(k)` keeps the k likeliest nodes (a prefix-closed set: values never grow along a path)
+        and `expected_tokens` reads what the planner predicts."""
+        scores = path_values(tree, self.rates.rates())
+        scores[0] = np.inf
+        return replace(tree, scores=scores)
+
+    def node_scores(self, tree) -> np.ndarray:
+        """Estimated P(path accepted) of each non-root node, best first (the order `rank(tree).prune` keeps)."""
+        scores = path_values(tree, self.rates.rates())[1:]
+        return -np.sort(-scores, kind="stable")
+
     def plan(self, tree):
-        """Return (pruned tree, whether to run the window) for this step."""
+        """Return (the ranked tree pruned to the nodes worth verifying, whether to run the window)."""
+        ranked = self.rank(tree)
         if self.curve is None:
-            return tree, self.window_rows > 0
+            return ranked, self.window_rows > 0
         k, use_window = best_row_count(self.node_scores(tree), self.window_rows, self.window_value, self.curve)
-        return tree.prune(k), use_window
+        return ranked.prune(k), use_window
 
     def chain_length(self, source: int, seconds_per_token: float | None, max_len: int) -> int:
         """How many tokens the draft model (drafter `source`) should draft this step: `best_chain_length` on its
-        running acceptance rate and measured speed; every PROBE_EVERY-th step at least 1, so a resting draft
-        model can prove itself again. The full `max_len` without a curve or before its speed is known."""
+        per-depth acceptance estimates and measured speed; every PROBE_EVERY-th step at least 1, so a resting
+        draft model can prove itself again. The full `max_len` without a curve or before its speed is known."""
         if self.curve is None or seconds_per_token is None:
             return max_len
-        rate = float(self.rates.rates()[source])
-        n = best_chain_length(rate, max_len, seconds_per_token / self.curve.base_seconds, self.curve)
+        rates = self.rates.rates()[source]
+        n = best_chain_length(rates, max_len, seconds_per_token / self.curve.base_seconds, self.curve)
         return max(n, 1) if self.steps % PROBE_EVERY == 0 else n
 
-    def node_scores(self, tree) -> np.ndarray:
-        """Estimated acceptance probability of each non-root node, in `tree.ranked_nodes()` order."""
-        ranked = tree.ranked_nodes()
-        return self.rates.rates()[tree.source[ranked]] ** tree.depth[ranked]
-
     def learn(self, tree, tokens: list[int], used_window: bool, pool_source: int) -> None:
-        """Update acceptance rates by walking the UNPRUNED tree along the committed `tokens`.
+        """Update the acceptance estimates by walking the UNPRUNED tree along the committed `tokens`.
 
         Every child of a node on the committed path was tested (its parent was accepted); it was accepted if
-        it carries the next committed token. Pruned nodes count too, so the rates keep learning while the
-        planner verifies nothing (otherwise one bad stretch would stop speculation for good).
+        it carries the next committed token. Pruned nodes count too, so the estimates keep learning while the
+        planner verifies nothing (otherwise one bad stretch would stop speculation for good). Under sampling
+        the committed token has the target's law, so a pruned child carrying x counts as accepted with
+        probability p(x), exactly the rate at which verifying it would have been accepted.
         """
         self.steps += 1
-        n = len(self.rates.tested)
-        tested, accepted = np.zeros(n), np.zeros(n)
+        tested, accepted = np.zeros_like(self.rates.tested), np.zeros_like(self.rates.accepted)
+        depths = tested.shape[1]
         node = 0
         for token in tokens:
             children = tree.children[node]
             for child in children.values():
-                tested[tree.source[child]] += 1
+                tested[tree.source[child], min(int(tree.depth[child]), depths) - 1] += 1
             node = children.get(token, -1)
             if node < 0:
                 break
-            accepted[tree.source[node]] += 1
+            accepted[tree.source[node], min(int(tree.depth[node]), depths) - 1] += 1
         self.rates.update(tested, accepted)
         if used_window:
-            self.window_value = 0.9 * self.window_value + 0.1 * float(accepted[pool_source])
+            self.window_value = 0.9 * self.window_value + 0.1 * float(accepted[pool_source].sum())
+
+
+def expected_tokens(tree) -> float:
+    """Tokens a step verifying `tree` is predicted to commit: 1 + the sum of its nodes' path-acceptance
+    estimates (valid for a tree from `StepPlanner.rank`, pruned or not)."""
+    return 1.0 + float(tree.scores[1:].sum())
 
 
 def plan_batch(planners: list[StepPlanner], trees: list, curve: CostCurve | None, scale: float = 1.0) -> list:
@@ -132,8 +187,8 @@ def plan_batch(planners: list[StepPlanner], trees: list, curve: CostCurve | None
     committed tokens of the batch per unit cost, (B + sum of each tree's top-k scores) / ratio(1 + k), on
     `curve`, measured for this batch size (t(B sequences x k rows) / t(B x 1)). A wider batch makes extra rows
     dearer, so the chosen k shrinks (down to plain decoding). `scale` multiplies the curve's extra cost
-    (ratio - 1) by what the generation's own timed steps showed (`ObservedCost.scale`). Without a curve the trees
-    are kept.
+    (ratio - 1) by what the generation's own timed steps showed (`ObservedCost.scale`). Each tree is ranked by its
+    planner (`StepPlanner.rank`) and cut to its k likeliest nodes. Without a curve the trees are kept.
     """
     if curve is None:
         return trees
@@ -144,4 +199,4 @@ def plan_batch(planners: list[StepPlanner], trees: list, curve: CostCurve | None
         value = (batch + sum(float(s[:k].sum()) for s in scores)) / (1.0 + (curve.ratio(1 + k) - 1.0) * scale)
         if value > best_value * 1.02:  # prefer the cheaper option unless clearly better
             best_value, best_k = value, k
-    return [tree.prune(best_k) for tree in trees]
+    return [planner.rank(tree).prune(best_k) for planner, tree in zip(planners, trees)]

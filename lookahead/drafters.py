@@ -1,24 +1,29 @@
-"""The drafters of one generation: prompt lookup and the n-gram pool (fed as text grows), an optional
-cross-request drafter and an optional draft model; their candidates merged into one `DraftTree`."""
+"""The drafters of one generation: prompt lookup and the n-gram pool (fed as text grows), token recycling (fed
+by the verification logits), an optional cross-request drafter and an optional draft model; their candidates
+merged into one `DraftTree`."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from typing import Protocol
+
+import numpy as np
+import torch
 
 from .config import LookaheadConfig
 from .draft_model import ModelDrafter
 from .ngram_pool import NGramPool
 from .prompt_lookup import PromptLookup
+from .recycle import RecycleDrafter, RecycleTable
 from .sampling import SampledDrafts
 from .tree import DraftTree
 
-# DraftTree.source indexes these: prompt lookup is split by suffix-match length (1, 2, 3+ tokens) because
-# its acceptance rate depends strongly on it, and the budget keeps one running rate per source.
-SOURCE_DRAFTER = ("prompt", "prompt", "prompt", "pool", "shared", "draft_model")
-PROMPT, POOL, SHARED, DRAFT_MODEL = 0, 3, 4, 5
-PROMPT_SOURCES = 3
+# DraftTree.source indexes these. Prompt lookup is split by suffix-match length (1, 2, 3+ tokens) and token
+# recycling by the node's top-k rank under its parent (0, 1, 2, 3+), because acceptance depends strongly on
+# both; the planner keeps one running estimate per source and depth.
+SOURCE_DRAFTER = ("prompt", "prompt", "prompt", "pool", "shared", "draft_model",
+                  "recycle", "recycle", "recycle", "recycle")
+PROMPT, POOL, SHARED, DRAFT_MODEL, RECYCLE = 0, 3, 4, 5, 6
+PROMPT_SOURCES, RECYCLE_SOURCES = 3, 4
 
 
 class SharedDrafter(Protocol):
@@ -29,12 +34,15 @@ class SharedDrafter(Protocol):
 
 
 class Drafters:
-    """Proposes candidate continuations of the root and learns from committed text and window n-grams."""
+    """Proposes candidate continuations of the root and learns from committed text, window n-grams and the
+    verified rows' logits."""
 
     def __init__(self, config: LookaheadConfig, vocab_size: int, context: np.ndarray,
-                 shared: SharedDrafter | None = None, model_drafter: ModelDrafter | None = None):
+                 shared: SharedDrafter | None = None, model_drafter: ModelDrafter | None = None,
+                 recycle_table: RecycleTable | None = None):
         """context: [n] int64, the prompt (committed text so far); shared: optional cross-request drafter;
-        model_drafter: optional draft model (its chain is ranked first)."""
+        model_drafter: optional draft model (its chain is ranked first); recycle_table: a token-recycling table
+        shared with other generations (None: a private one; unused when `config.recycle_nodes` is 0)."""
         self.config, self.shared, self.model_drafter = config, shared, model_drafter
         self._chain = np.zeros(0, dtype=np.int64)
         self.prompt = PromptLookup(max_ngram=config.prompt_max_ngram, min_ngram=config.prompt_min_ngram) \
@@ -42,6 +50,8 @@ class Drafters:
         self.pool = NGramPool(n=config.pool_ngram_size, max_keys=config.pool_max_keys,
                               per_key=config.pool_per_key, vocab_size=vocab_size) \
             if config.pool_candidates else None
+        self.recycle = RecycleDrafter(recycle_table, vocab_size, config.recycle_k, config.recycle_nodes,
+                                      config.max_draft_len) if config.recycle_nodes else None
         self._text_len = 0
         self.observe(context)  # sets self._text
 
@@ -59,9 +69,18 @@ class Drafters:
         if self.pool is not None and len(grams):
             self.pool.add(grams)
 
-    def draft(self, root: int, max_len: int, chain_len: int | None = None) -> DraftTree:
-        """Merge every drafter's candidates (each cut to `max_len` tokens) into a `DraftTree` for `root`; the
-        draft model's chain has `chain_len` tokens (None: `config.draft_tokens`; 0: the draft model rests)."""
+    def recycle_rows(self, tokens: np.ndarray, logits: torch.Tensor, order: np.ndarray | None = None) -> None:
+        """Feed token recycling with verified rows: `tokens` [n] int64 the token each row carries, `logits`
+        [n, V] their raw logits, `order` the rows to store in order (None = all; the accepted path last)."""
+        if self.recycle is not None:
+            self.recycle.observe(tokens, logits, order)
+
+    def draft(self, root: int, max_len: int, chain_len: int | None = None,
+              estimates: np.ndarray | None = None) -> DraftTree:
+        """Merge every drafter's candidates (each cut to `max_len` tokens) into one unpruned `DraftTree` for
+        `root`; the draft model's chain has `chain_len` tokens (None: `config.draft_tokens`; 0: the draft model
+        rests). `estimates` [n_sources, D]: the planner's conditional acceptance per source and depth, which
+        shapes the recycled draft (None: a fixed prior). The caller ranks and prunes the tree."""
         paths, sources = [], []
         self._chain = np.zeros(0, dtype=np.int64)
         if self.model_drafter is not None:
@@ -84,7 +103,19 @@ class Drafters:
                 found = self.shared.propose(self._text, self.config.shared_candidates, max_len)
                 paths += found
                 sources += [SHARED] * len(found)
-        return DraftTree.from_paths(root, paths, sources, self.config.tree_budget)
+            if self.recycle is not None:
+                found, ranks = self.recycle.propose(root, self._recycle_value(estimates), max_len)
+                paths += found
+                sources += (RECYCLE + np.minimum(ranks, RECYCLE_SOURCES - 1)).tolist()
+        return DraftTree.from_paths(root, paths, sources, budget=sum(len(p) for p in paths))
+
+    def _recycle_value(self, estimates: np.ndarray | None) -> np.ndarray:
+        """[D, k] conditional acceptance of a recycled node by depth and top-k rank, from the planner's
+        per-source estimates [n_sources, D] (None: 0.5 / (rank + 1) at every depth)."""
+        ranks = np.minimum(np.arange(self.config.recycle_k), RECYCLE_SOURCES - 1)
+        if estimates is None:
+            return np.tile(0.5 / (1.0 + np.arange(self.config.recycle_k)), (self.config.max_draft_len, 1))
+        return estimates[RECYCLE + ranks].T  # ranks from RECYCLE_SOURCES - 1 on share one estimate
 
     def sampled_drafts(self, tree: DraftTree) -> SampledDrafts:
         """The draft model's sampled chain as it survives in `tree` (e.g. after pruning): {parent node: (chain

@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .budget import StepPlanner
+from .budget import StepPlanner, expected_tokens
 from .config import LookaheadConfig
 from .draft_model import ModelDrafter
 from .drafters import DRAFT_MODEL, POOL, SOURCE_DRAFTER, Drafters
 from .jacobi import JacobiWindow
 from .layout import RowDrafts
 from .rules import make_rule
+from .stats import AcceptedDrafts
 from .tree import DraftTree
 from .verify import Verdict
 
@@ -35,7 +36,9 @@ class Sequence:
         self.hidden, self.root_position = hidden, root_position
         self.stop_length: int | None = None  # length when the stopping criteria first fired
         self.rule = make_rule(request.do_sample, config.seed)
-        self.drafters = Drafters(config, vocab_size, prompt, request.shared_drafter, self._model_drafter())
+        # The recycling table outlives the request when the caller shares one (a `Lookahead` object, a server).
+        self.drafters = Drafters(config, vocab_size, prompt, request.shared_drafter, self._model_drafter(),
+                                 getattr(request, "recycle_table", None))
         self.window = JacobiWindow(config.window_levels, config.window_columns, config.seed or 0) \
             if use_window and config.window_size else None
         if self.window is not None:
@@ -63,13 +66,15 @@ class Sequence:
         return self.length - self.prompt_length
 
     def candidates(self) -> DraftTree:
-        """Every drafter's candidates for this step, merged into one unpruned tree (kept for `learn`)."""
+        """Every drafter's candidates for this step merged into one tree, ranked by the planner's estimates and
+        cut to `tree_budget` nodes (the unpruned tree is kept for `learn`)."""
         root = int(self.ids[self.length - 1])
         drafter = self.drafters.model_drafter
         chain = None if drafter is None else \
             self.planner.chain_length(DRAFT_MODEL, drafter.seconds_per_token, self.config.draft_tokens)
-        self._candidates = self.drafters.draft(root, self.request.max_length - self.length - 1, chain)
-        return self._candidates
+        self._candidates = self.drafters.draft(root, self.request.max_length - self.length - 1, chain,
+                                               self.planner.rates.rates())
+        return self.planner.rank(self._candidates).prune(self.config.tree_budget)
 
     def row_drafts(self, tree: DraftTree, use_window: bool) -> RowDrafts:
         """What this sequence verifies this step (`tree` is its planned, pruned tree)."""
@@ -77,13 +82,19 @@ class Sequence:
 
     def first_token(self, logits: torch.Tensor) -> int:
         """The token chosen by the rule from the prefill's last logits [V]."""
+        self.drafters.recycle_rows(self.ids[self.length - 1: self.length], logits.view(1, -1))
         scores = self.score([], logits) if self.has_processors else logits
         return self.rule.first(scores, self.length)
 
     def verify(self, tree: DraftTree, logits: torch.Tensor) -> Verdict:
-        """Walk `tree` with the rule against its rows' raw logits [N, V]."""
-        return self.rule.walk(tree, logits, self._node_scorer(), root_index=self.length - 1,
-                              sampled=self.drafters.sampled_drafts(tree))
+        """Walk `tree` with the rule against its rows' raw logits [N, V]; then recycle every row's top-k
+        (the accepted path last, so its true-context prediction is the one kept for a repeated token)."""
+        verdict = self.rule.walk(tree, logits, self._node_scorer(), root_index=self.length - 1,
+                                 sampled=self.drafters.sampled_drafts(tree))
+        path = np.asarray(verdict.path, dtype=np.int64)
+        others = np.setdiff1d(np.arange(tree.size), path, assume_unique=True)
+        self.drafters.recycle_rows(tree.tokens, logits, np.concatenate([others, path]))
+        return verdict
 
     def commit(self, tokens: list[int], limit: int, cut_at_stop: bool) -> list[int]:
         """Append `tokens` one by one up to length `limit`; returns the committed ones.
@@ -120,9 +131,11 @@ class Sequence:
             self.drafters.harvest(self.window.advance(outputs, len(tokens), self.ids[: self.length]))
         self.drafters.observe(self.ids[: self.length])
 
-    def accepted_sources(self, tree: DraftTree, verdict: Verdict, n_tokens: int) -> list[str]:
-        """The drafter of each accepted draft token among the first `n_tokens` committed."""
-        return [SOURCE_DRAFTER[tree.source[n]] for n in verdict.path[1:n_tokens]]
+    def accepted_sources(self, tree: DraftTree, verdict: Verdict, n_tokens: int) -> AcceptedDrafts:
+        """The drafter of each accepted draft token among the first `n_tokens` committed, and the tokens the
+        planner predicted verifying `tree` (ranked by it) would commit."""
+        return AcceptedDrafts([SOURCE_DRAFTER[tree.source[n]] for n in verdict.path[1:n_tokens]],
+                              expected_tokens(tree))
 
     def _criteria_fire(self) -> bool:
         """Whether HF's stopping criteria fire on the committed text."""

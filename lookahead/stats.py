@@ -6,6 +6,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class AcceptedDrafts:
+    """What one sequence's drafts did in one step: the drafter of each accepted draft token (in path order) and
+    the tokens the planner predicted the step would commit (`budget.expected_tokens`; None: no prediction)."""
+
+    sources: list[str]
+    expected_tokens: float | None = None
+
+
 @dataclass
 class DecodeStats:
     """Per-call statistics, exposed as `Lookahead.last_stats` after a call.
@@ -13,7 +22,8 @@ class DecodeStats:
     Times are wall-clock seconds: `prefill_time` (prompt forward), `draft_time` (drafting, trie, layout),
     `forward_time` (verification forwards), `verify_time` (verification, cache compaction, drafter updates).
     `new_tokens` counts the prefill's first token too; `step_tokens` only what decoding steps committed.
-    `tokens_per_step` maps tokens committed in a step to how many steps committed that many.
+    `tokens_per_step` maps tokens committed in a step to how many steps committed that many. `calibration` holds
+    one (predicted, committed) pair of tokens per step in which the planner made a prediction.
     """
 
     steps: int = 0
@@ -27,15 +37,23 @@ class DecodeStats:
     rows_verified: int = 0
     tokens_per_step: Counter = field(default_factory=Counter)
     accepted_by_drafter: Counter = field(default_factory=Counter)
+    calibration: list = field(default_factory=list)  # [(predicted tokens, committed tokens)] per step
 
-    def record_step(self, n_tokens: int, n_rows: int, accepted_sources: list[str]) -> None:
+    def record_step(self, n_tokens: int, n_rows: int, accepted: AcceptedDrafts) -> None:
         """Add one decoding step that committed `n_tokens` after verifying `n_rows` rows."""
         self.steps += 1
         self.new_tokens += n_tokens
         self.step_tokens += n_tokens
         self.rows_verified += n_rows
         self.tokens_per_step[n_tokens] += 1
-        self.accepted_by_drafter.update(accepted_sources)
+        self.accepted_by_drafter.update(accepted.sources)
+        if accepted.expected_tokens is not None:
+            self.calibration.append((round(accepted.expected_tokens, 4), n_tokens))
+
+    @property
+    def mean_expected_tokens(self) -> float:
+        """The planner's mean predicted tokens per step (over the steps it predicted; 0.0 when none)."""
+        return sum(e for e, _ in self.calibration) / len(self.calibration) if self.calibration else 0.0
 
     @property
     def mean_tokens_per_step(self) -> float:
@@ -65,4 +83,5 @@ class DecodeStats:
             "mean_tokens_per_step": self.mean_tokens_per_step, "tokens_per_second": self.tokens_per_second,
             "tokens_per_step": dict(sorted(self.tokens_per_step.items())),
             "accepted_by_drafter": dict(self.accepted_by_drafter),
+            "mean_expected_tokens": self.mean_expected_tokens, "calibration": [list(p) for p in self.calibration],
         }

@@ -91,7 +91,7 @@ def test_plots_are_written(result, tmp_path):
     from plots import save_plots
 
     paths = save_plots(result, tmp_path / "run.json")
-    assert [p.name for p in paths] == ["run-speedup.png", "run-tokens-per-step.png"]
+    assert [p.name for p in paths] == ["run-speedup.png", "run-tokens-per-step.png", "run-calibration.png"]
     assert all(p.stat().st_size > 0 for p in paths)
 
 
@@ -155,7 +155,8 @@ def test_suite_runs_the_draft_methods_identically(tiny_model):
 
 def test_parse_args_draft_options(capsys):
     args = bench_generate.parse_args(["--categories", "code", "--prompts-per-category", "1", "--draft-layers", "4"])
-    assert args.methods == ["hf_greedy", "hf_prompt_lookup", "lookahead", "hf_assisted", "lookahead_draft"]
+    assert args.methods == ["hf_greedy", "hf_prompt_lookup", "lookahead", "lookahead_off", "hf_assisted",
+                            "lookahead_draft"]
     for argv, message in [(["--draft-layers", "2", "--draft-model", "x"], "not allowed with"),
                           (["--methods", "lookahead_draft"], "needs --draft-model PATH or --draft-layers N"),
                           (["--draft-layers", "0"], "--draft-layers must be at least 1")]:

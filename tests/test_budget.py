@@ -19,12 +19,82 @@ STEEP = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.
 HERE = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.10, 1.69, 1.94, 2.77, 3.08, 2.91), 0.078)  # this CPU
 
 
-def test_acceptance_rates_follow_the_counts_with_decay():
-    rates = AcceptanceRates(2, prior=0.3, decay=0.5)
-    assert rates.rates() == pytest.approx([0.3, 0.3])
+def test_acceptance_rates_follow_the_counts_per_source_and_depth_with_decay():
+    rates = AcceptanceRates(2, prior=0.3, decay=0.5, depths=3)
+    assert rates.rates() == pytest.approx(np.full((2, 3), 0.3))
+    tested, accepted = np.full((2, 3), 4.0), np.zeros((2, 3))
+    accepted[0] = 4.0
+    accepted[1, 2] = 4.0
     for _ in range(20):
-        rates.update(np.array([4.0, 4.0]), np.array([4.0, 0.0]))
-    assert rates.rates()[0] > 0.95 and rates.rates()[1] < 0.05
+        rates.update(tested, accepted)
+    assert (rates.rates()[0] > 0.95).all() and (rates.rates()[1, :2] < 0.05).all() and rates.rates()[1, 2] > 0.95
+    before = rates.rates().copy()
+    rates.update(np.zeros((2, 3)), np.zeros((2, 3)))  # an untested cell keeps its estimate
+    assert rates.rates() == pytest.approx(before)
+
+
+def _rates(n_sources: int, depths: int, value: float) -> np.ndarray:
+    return np.full((n_sources, depths), value)
+
+
+def test_path_values_multiply_conditional_rates_along_the_path():
+    # root 7 -> 1 -> 2 -> 3 (source 0) and root -> 4 (source 1)
+    tree = DraftTree.from_paths(7, [[1, 2, 3], [4]], [0, 1], budget=16)
+    rates = np.array([[0.5, 0.8, 0.9], [0.2, 0.2, 0.2]])
+    values = budget.path_values(tree, rates)
+    by_token = {int(t): v for t, v in zip(tree.tokens, values)}
+    assert by_token[7] == 1.0
+    assert by_token[1] == pytest.approx(0.5) and by_token[4] == pytest.approx(0.2)
+    assert by_token[2] == pytest.approx(0.5 * 0.8) and by_token[3] == pytest.approx(0.5 * 0.8 * 0.9)
+    deep = DraftTree.from_paths(7, [list(range(1, 7))], [0], budget=16)  # deeper than the table: last column
+    assert budget.path_values(deep, rates)[-1] == pytest.approx(0.5 * 0.8 * 0.9**4)
+
+
+def test_siblings_exclude_each_other():
+    """Five children each estimated at 0.6: at most one is accepted, so together they are worth < 1 token."""
+    tree = DraftTree.from_paths(0, [[t] for t in range(1, 6)], [0] * 5, budget=16)
+    values = budget.path_values(tree, _rates(1, 2, 0.6))
+    assert values[1:].sum() == pytest.approx(budget.SIBLING_CAP)
+    assert budget.path_values(tree, _rates(1, 2, 0.1))[1:].sum() == pytest.approx(0.5)  # below the cap: as is
+
+
+def test_rank_prunes_by_estimate_not_by_draft_order():
+    planner = StepPlanner(None, len(SOURCE_DRAFTER), 0)
+    planner.rates.accepted[:] = planner.rates.tested * 0.05
+    planner.rates.accepted[POOL] = planner.rates.tested[POOL] * 0.9  # the pool is the reliable drafter here
+    tree = DraftTree.from_paths(7, [[1, 2, 3], [4, 5]], [PROMPT, POOL], budget=16)
+    kept = planner.rank(tree).prune(2)
+    assert kept.tokens.tolist() == [7, 4, 5]
+    assert budget.expected_tokens(kept) == pytest.approx(1 + 0.9 + 0.81)
+    assert planner.node_scores(tree) == pytest.approx(sorted(budget.path_values(tree, planner.rates.rates())[1:],
+                                                             reverse=True))
+
+
+def test_planner_predictions_are_calibrated_on_a_synthetic_verifier():
+    """The text continues the prompt-lookup draft with probability 0.7 (then each further token with 0.9), the
+    first pool draft with 0.2 (then 0.5), the second pool draft never. After learning, the predicted tokens per
+    step match the committed ones, although the two pool siblings share one estimate."""
+    rng = np.random.default_rng(0)
+    paths = [[1, 2, 3, 4], [5, 6], [8, 9]]
+    tree = DraftTree.from_paths(0, paths, [PROMPT, POOL, POOL], budget=16)
+    planner = StepPlanner(FLAT, len(SOURCE_DRAFTER), 0)
+    predicted, observed = [], []
+    for step in range(1500):
+        first = rng.random()
+        chosen, follow = (paths[0], 0.9) if first < 0.7 else (paths[1], 0.5) if first < 0.9 else ([], 0.0)
+        tokens = chosen[:1]
+        for token in chosen[1:]:
+            if rng.random() >= follow:
+                break
+            tokens.append(token)
+        tokens.append(99)  # the bonus
+        if step >= 300:
+            predicted.append(budget.expected_tokens(planner.rank(tree)))
+            observed.append(len(tokens))
+        planner.learn(tree, tokens, used_window=False, pool_source=POOL)
+    truth = 1 + 0.7 * (1 + 0.9 + 0.81 + 0.729) + 0.2 * 1.5
+    assert np.mean(observed) == pytest.approx(truth, rel=0.05)
+    assert np.mean(predicted) == pytest.approx(np.mean(observed), rel=0.05)
 
 
 def test_best_row_count_follows_the_curve():
@@ -38,6 +108,7 @@ def test_best_row_count_follows_the_curve():
 
 def test_best_chain_length_grows_with_acceptance_and_shrinks_with_draft_cost():
     assert best_chain_length(0.95, 6, 0.05, FLAT) == 6
+    assert best_chain_length(np.array([0.95, 0.95, 0.02]), 6, 0.05, HERE) == 2  # per depth: stop before depth 3
     assert best_chain_length(0.1, 6, 0.05, FLAT) <= 1
     assert best_chain_length(0.9, 6, 1.0, FLAT) < best_chain_length(0.9, 6, 0.05, FLAT)
     assert best_chain_length(0.3, 4, 0.4, HERE) == 0  # a weak, costly draft rests
@@ -64,5 +135,6 @@ def test_planner_learns_from_pruned_nodes_too():
     for _ in range(10):
         planner.learn(tree, [1, 2, 3, 9], used_window=False, pool_source=POOL)
     after = planner.rates.rates()
-    assert after[PROMPT] > before[PROMPT] and after[POOL] < before[POOL]
+    assert after[PROMPT, 0] > before[PROMPT, 0] and after[PROMPT, 2] > before[PROMPT, 2]
+    assert after[POOL, 0] < before[POOL, 0] and after[POOL, 1] == pytest.approx(before[POOL, 1])  # a one-token path
     assert planner.steps == 10

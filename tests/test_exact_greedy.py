@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from tiny_models import build_tiny_model as tiny_model, repetitive_prompt
@@ -9,9 +11,13 @@ from tiny_models import build_tiny_model as tiny_model, repetitive_prompt
 from lookahead import Lookahead, LookaheadConfig
 
 CONFIGS = {
-    "window_only": dict(window_levels=2, window_columns=4, pool_from_text=False, prompt_candidates=0),
-    "pool_only": dict(window_levels=0, pool_from_text=True, prompt_candidates=0),
-    "prompt_only": dict(window_levels=0, pool_candidates=0),
+    "window_only": dict(window_levels=2, window_columns=4, pool_from_text=False, prompt_candidates=0,
+                        recycle_nodes=0),
+    "pool_only": dict(window_levels=0, pool_from_text=True, prompt_candidates=0, recycle_nodes=0, adaptive=False),
+    "prompt_only": dict(window_levels=0, pool_candidates=0, recycle_nodes=0),
+    "recycle_only": dict(window_levels=0, pool_candidates=0, prompt_candidates=0),
+    "recycle_wide": dict(window_levels=0, pool_candidates=0, prompt_candidates=0, recycle_nodes=64, recycle_k=16,
+                         tree_budget=48, adaptive=False),
     "all": dict(),
     "budget_1": dict(tree_budget=1),
     "large_budget": dict(tree_budget=96, max_draft_len=16, prompt_candidates=8, pool_candidates=8,
@@ -51,14 +57,16 @@ def test_identical_to_plain_greedy(model, config_name, seed):
         assert max(stats.tokens_per_step) <= 2
 
 
-@pytest.mark.parametrize("config_name", ["prompt_only", "pool_only", "window_only", "all"])
+@pytest.mark.parametrize("config_name", ["prompt_only", "pool_only", "window_only", "recycle_only", "all"])
 def test_drafters_really_speculate(model, config_name):
     """Guards the exactness tests above against passing only because nothing was ever drafted."""
-    accepted = 0
+    accepted = Counter()
     for seed in range(3):
         _, _, stats = _both(model, repetitive_prompt(seed), _config(config_name), max_new_tokens=48)
-        accepted += sum(stats.accepted_by_drafter.values())
-    assert accepted > 0
+        accepted.update(stats.accepted_by_drafter)
+    assert sum(accepted.values()) > 0
+    if config_name == "recycle_only":
+        assert set(accepted) == {"recycle"}
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 7, 31])

@@ -59,13 +59,17 @@ def pooled_chisquare_p(counts: np.ndarray, expected: np.ndarray) -> float:
     return float(chisquare(f_obs, f_exp).pvalue)
 
 
+RECYCLE_ONLY = dict(SPECULATE, prompt_candidates=0, pool_candidates=0, window_levels=0)
+
+
+@pytest.mark.parametrize("speculate", [SPECULATE, RECYCLE_ONLY], ids=["all", "recycle_only"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("seed", [0, 7, 123456789])
-def test_seeded_sampling_is_identical_with_and_without_speculation(family, seed):
+def test_seeded_sampling_is_identical_with_and_without_speculation(family, seed, speculate):
     model = build_tiny_model(family, dtype=torch.float64, seed=3, vocab=32)
     prompt = repetitive_prompt(seed % 5, vocab=32)
     kwargs = dict(do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=40)
-    fast = Lookahead(LookaheadConfig(seed=seed, **SPECULATE))
+    fast = Lookahead(LookaheadConfig(seed=seed, **speculate))
     spec = model.generate(prompt, custom_generate=fast, **kwargs)
     plain = model.generate(prompt, custom_generate=Lookahead(LookaheadConfig.off().with_overrides(seed=seed)),
                            **kwargs)

@@ -1,0 +1,172 @@
+"""Tests for lookahead/recycle.py: the adjacency table of recycled top-k predictions, best-first draft growth,
+sharing across drafters and threads, and its place in the drafters' trie."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from lookahead.config import LookaheadConfig
+from lookahead.drafters import RECYCLE, RECYCLE_SOURCES, SOURCE_DRAFTER, Drafters
+from lookahead.recycle import RecycleDrafter, RecycleTable
+
+K = 3
+
+
+def _table(rows: dict[int, list[int]], vocab: int = 16) -> RecycleTable:
+    """A RecycleTable whose rows are given literally: {token: its top-K next tokens, best first}."""
+    table = RecycleTable(K)
+    table.ensure(vocab, K)
+    tokens = np.array(list(rows), dtype=np.int64)
+    table.update(tokens, np.array(list(rows.values()), dtype=np.int64))
+    return table
+
+
+def _drafter(table: RecycleTable, nodes: int, depth: int, vocab: int = 16) -> RecycleDrafter:
+    return RecycleDrafter(table, vocab, K, nodes, depth)
+
+
+def _paths(drafter: RecycleDrafter, root: int, value, max_len: int = 8):
+    paths, ranks = drafter.propose(root, np.asarray(value, dtype=np.float64), max_len)
+    return [p.tolist() for p in paths], ranks.tolist()
+
+
+def test_update_overwrites_rows_in_order_and_clear_forgets():
+    table = _table({1: [2, 3, 4]})
+    table.update(np.array([5, 1, 1]), np.array([[6, 7, 8], [9, 10, 11], [12, 13, 14]]))
+    assert table.table[1].tolist() == [12, 13, 14]  # the later row of a repeated token wins
+    assert table.table[5].tolist() == [6, 7, 8] and table.table[0].tolist() == [-1, -1, -1]
+    assert table.known_tokens == 2
+    table.update(np.array([99]), np.array([[1, 2, 3]]))  # outside the vocabulary: skipped
+    assert table.known_tokens == 2
+    table.clear()
+    assert table.known_tokens == 0 and table.table.shape == (16, K)
+
+
+def test_ensure_reshapes_only_on_change():
+    table = _table({1: [2, 3, 4]})
+    table.ensure(16, K)
+    assert table.known_tokens == 1
+    table.ensure(32, K)
+    assert table.table.shape == (32, K) and table.known_tokens == 0
+    with pytest.raises(ValueError, match="k must be"):
+        RecycleTable(0)
+
+
+def test_observe_stores_each_rows_top_k_from_logits():
+    table = RecycleTable(K)
+    drafter = RecycleDrafter(table, 8, K, 4, 2)
+    logits = torch.tensor([[0.0, 5, 1, 4, 0, 0, 3, 0],   # row carrying token 2: best 1, 3, 6
+                           [9.0, 0, 0, 0, 0, 8, 0, 7]])  # row carrying token 4: best 0, 5, 7
+    drafter.observe(np.array([2, 4]), logits)
+    assert table.table[2].tolist() == [1, 3, 6] and table.table[4].tolist() == [0, 5, 7]
+    drafter.observe(np.array([2, 2]), logits, order=np.array([1, 0]))  # row 0 last: it wins
+    assert table.table[2].tolist() == [1, 3, 6]
+
+
+# Root 1's predictions are 2, 3, 4; 2's are 5, 6, 7; 5's are 8, 9, 10; the rest are unknown.
+CHAIN = {1: [2, 3, 4], 2: [5, 6, 7], 5: [8, 9, 10]}
+
+
+@pytest.mark.parametrize("value, expected", [
+    # Confident top-1 predictions: the growth follows the chain deep before widening.
+    ([[0.9, 0.05, 0.01]] * 3, [[2], [2, 5], [2, 5, 8], [3]]),
+    # Flat estimates: breadth first at the root.
+    ([[0.3, 0.3, 0.3]] * 3, [[2], [3], [4], [2, 5]]),
+    # Per depth: a confident second token, a weak third one.
+    ([[0.5, 0.45, 0.3], [0.95, 0.1, 0.1], [0.1, 0.1, 0.1]], [[2], [2, 5], [3], [4]]),
+])
+def test_growth_is_best_first_on_the_estimates(value, expected):
+    drafter = _drafter(_table(CHAIN), nodes=4, depth=3)
+    paths, _ = _paths(drafter, 1, value)
+    assert paths == expected
+
+
+def test_growth_respects_node_depth_and_length_limits_and_reports_ranks():
+    drafter = _drafter(_table(CHAIN), nodes=32, depth=2)
+    paths, ranks = _paths(drafter, 1, [[0.5, 0.4, 0.3]] * 2)
+    assert max(len(p) for p in paths) == 2 and len(paths) == 3 + 3  # root's 3 children, 2's 3 children
+    assert {tuple(p): r for p, r in zip(paths, ranks)}[(2, 6)] == 1
+    short, _ = _paths(drafter, 1, [[0.5, 0.4, 0.3]] * 2, max_len=1)
+    assert short == [[2], [3], [4]]
+    assert _paths(drafter, 7, [[0.5, 0.4, 0.3]] * 2) == ([], [])  # a root never verified: no draft
+    assert _paths(drafter, 99, [[0.5, 0.4, 0.3]] * 2) == ([], [])  # outside the table
+
+
+def test_every_path_extends_an_earlier_one():
+    """Paths come parents first, so merging them in order gives each node its own rank's source."""
+    rng = np.random.default_rng(0)
+    table = RecycleTable(K)
+    table.ensure(12, K)
+    table.update(np.arange(12), np.stack([rng.choice(12, K, replace=False) for _ in range(12)]))
+    paths, _ = _paths(RecycleDrafter(table, 12, K, 20, 5), 0, [[0.6, 0.3, 0.1]] * 5)
+    seen = {()}
+    for path in paths:
+        assert tuple(path[:-1]) in seen
+        seen.add(tuple(path))
+    assert len(seen) == 21
+
+
+def test_drafters_merge_recycled_nodes_with_rank_sources_and_share_the_table():
+    config = LookaheadConfig(window_levels=0, pool_candidates=0, prompt_candidates=0, recycle_k=K,
+                             recycle_nodes=6, max_draft_len=3)
+    table = RecycleTable(K)
+    first = Drafters(config, 16, np.array([3, 1]), recycle_table=table)
+    first.recycle_rows(np.array([1, 2]), torch.tensor([[0.0] * 16] * 2).index_put_(
+        (torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([2, 3, 4, 5, 6, 7])), torch.tensor([3.0, 2, 1, 3, 2, 1])))
+    assert table.table[1].tolist() == [2, 3, 4]
+    second = Drafters(config, 16, np.array([9, 1]), recycle_table=table)  # another generation, same table
+    tree = second.draft(1, max_len=3)
+    assert tree.size == 7
+    by_path = {tuple(tree.path_tokens(n)): int(tree.source[n]) for n in range(1, tree.size)}
+    assert by_path[(2,)] == by_path[(2, 5)] == RECYCLE and by_path[(3,)] == by_path[(2, 6)] == RECYCLE + 1
+    assert by_path[(4,)] == RECYCLE + 2
+    assert {SOURCE_DRAFTER[s] for s in by_path.values()} == {"recycle"}
+    assert len(SOURCE_DRAFTER) == RECYCLE + RECYCLE_SOURCES
+    off = Drafters(config.with_overrides(recycle_nodes=0), 16, np.array([9, 1]), recycle_table=table)
+    assert off.draft(1, max_len=3).size == 1
+
+
+def test_a_private_table_when_none_is_shared():
+    config = LookaheadConfig(recycle_k=K)
+    a, b = Drafters(config, 16, np.array([1])), Drafters(config, 16, np.array([1]))
+    assert a.recycle.table is not b.recycle.table
+
+
+def test_table_is_thread_safe_under_concurrent_updates_and_growth():
+    table = RecycleTable(4)
+    table.ensure(64, 4)
+    errors = []
+
+    def writer(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(300):
+            tokens = rng.integers(0, 64, 16)
+            topk = np.stack([rng.choice(64, 4, replace=False) for _ in range(16)])
+            table.update(tokens, topk)
+
+    def reader() -> None:
+        drafter = RecycleDrafter(table, 64, 4, 16, 4)
+        for root in range(300):
+            paths, _ = drafter.propose(root % 64, np.full((4, 4), 0.5), 4)
+            errors.extend(path for path in paths if (path < 0).any())
+
+    threads = [threading.Thread(target=writer, args=(s,)) for s in range(3)] + [threading.Thread(target=reader)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert ((table.table >= 0).all(axis=1) | (table.table < 0).all(axis=1)).all()  # rows never half-written
+
+
+def test_rows_are_padded_to_k_and_predictions_outside_the_vocabulary_dropped():
+    table = RecycleTable(4)
+    table.ensure(6, 4)
+    table.update(np.array([1, 2, 7]), np.array([[3, 9], [5, 0], [1, 1]]))  # a 6-token model: top-2 only
+    assert table.table[1].tolist() == [3, -1, -1, -1] and table.table[2].tolist() == [5, 0, -1, -1]
+    paths, _ = _paths(RecycleDrafter(table, 6, 4, 8, 3), 1, np.full((3, 4), 0.5))
+    assert paths == [[3]]  # 3 was never verified: no grandchildren, and nothing outside the vocabulary
