@@ -13,6 +13,7 @@ from .cost_curve import CostCurve, ObservedCost
 from .cache import keep_rows_batched, keep_sequences
 from .config import LookaheadConfig
 from .layout import pack_batch
+from .recycle import RecycleTable
 from .sequence import Sequence
 from .stats import DecodeStats
 
@@ -30,7 +31,8 @@ class DecodeRequest:
     sample instead of greedy; draft_model: optional small causal LM with the target's vocabulary (checked by
     the caller) that drafts a chain each step; pad_finished: a sequence stops at its stopping criteria and is
     padded with `pad_token_id` (HF does this when an EOS criterion exists; otherwise a stopped row keeps
-    generating until every row has stopped).
+    generating until every row has stopped); recycle_table: the token-recycling table the generation reads
+    and refreshes (shared across calls; None = a private one).
     """
 
     input_ids: torch.Tensor
@@ -46,6 +48,7 @@ class DecodeRequest:
     draft_model: object = None
     pad_finished: bool = True
     pad_token_id: int | None = None
+    recycle_table: RecycleTable | None = None
 
 
 class Decoder:

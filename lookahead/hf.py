@@ -25,6 +25,7 @@ from .config import LookaheadConfig
 from .decoder import DecodeRequest, Decoder
 from .draft_model import check_draft_model
 from .packed_linear import packed_linears
+from .recycle import RecycleTable
 from .stats import DecodeStats
 
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
@@ -40,15 +41,19 @@ class Lookahead:
     Keyword arguments override fields of `config` (a `LookaheadConfig`); `shared_drafter` adds a cross-request
     drafter (`drafters.SharedDrafter`); `draft_model` adds a small causal LM with the target's vocabulary that
     drafts a chain of `config.draft_tokens` tokens each step (exact too: sampled chains are accepted with
-    min(1, p/q)). Batches of left-padded prompts are decoded row by row exactly as plain batched `generate`.
+    min(1, p/q)). The token-recycling table (`recycle.RecycleTable`) persists across this object's calls;
+    pass `recycle_table` to share one between objects (the server does). Batches of left-padded prompts are decoded row by row exactly as plain batched `generate`.
     After each call `last_stats` holds a `DecodeStats`. A streamer is passed as `lookahead_streamer=` (HF does
     not forward `streamer=` to a callable; `lookahead.patch` reroutes it automatically).
     """
 
     def __init__(self, config: LookaheadConfig | None = None, shared_drafter=None, draft_model=None,
-                 **overrides):
+                 recycle_table: RecycleTable | None = None, **overrides):
         self.config = (config or LookaheadConfig()).with_overrides(**overrides)
         self.shared_drafter, self.draft_model = shared_drafter, draft_model
+        if recycle_table is None and self.config.recycle_nodes:
+            recycle_table = RecycleTable(self.config.recycle_k)
+        self.recycle_table = recycle_table
         self.last_stats: DecodeStats | None = None
 
     def __call__(self, model, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
@@ -79,6 +84,7 @@ class Lookahead:
                                 cost_curve=self._cost_curve(model), do_sample=bool(generation_config.do_sample),
                                 batch_cost_curve=self._cost_curve(model, batch) if batch > 1 else None,
                                 draft_model=self.draft_model, pad_token_id=_pad_token(generation_config),
+                                recycle_table=self.recycle_table,
                                 pad_finished=any(hasattr(c, "eos_token_id") for c in stopping_criteria))
         decoder = Decoder(model, self.config, request)
         sequences = decoder.run()

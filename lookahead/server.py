@@ -41,6 +41,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .config import LookaheadConfig
 from .hf import Lookahead
+from .recycle import RecycleTable
 from .server_guard import LOOPBACK_HOSTS, RequestGuard, check_origin
 from .server_schema import (APIError, ChatRequest, Completion, CompletionRequest, ResponseShape, Sampling,
                             parse_body, sampling, speculation_stats, sse, stop_strings)
@@ -238,6 +239,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, config: LookaheadConfig, cache: SuffixCache | None, max_queue: int):
         self.model, self.tokenizer, self.config, self.cache = model, tokenizer, config, cache
+        # Token recycling learns the model's own next-token predictions: kept across requests, like the cache.
+        self.recycle_table = RecycleTable(config.recycle_k) if config.recycle_nodes else None
         self.max_queue = max_queue
         eos = model.generation_config.eos_token_id
         self.eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
@@ -330,7 +333,7 @@ class Engine:
         if job.stops:
             criteria.append(_StopText(self.decode, job.stops, prompt_len))
         config = self.config if job.sampling.seed is None else self.config.with_overrides(seed=job.sampling.seed)
-        decoder = Lookahead(config, shared_drafter=self.cache)
+        decoder = Lookahead(config, shared_drafter=self.cache, recycle_table=self.recycle_table)
         output = self.model.generate(
             job.input_ids, attention_mask=torch.ones_like(job.input_ids), max_new_tokens=job.max_new_tokens,
             stopping_criteria=criteria, custom_generate=decoder,

@@ -170,3 +170,21 @@ def test_rows_are_padded_to_k_and_predictions_outside_the_vocabulary_dropped():
     assert table.table[1].tolist() == [3, -1, -1, -1] and table.table[2].tolist() == [5, 0, -1, -1]
     paths, _ = _paths(RecycleDrafter(table, 6, 4, 8, 3), 1, np.full((3, 4), 0.5))
     assert paths == [[3]]  # 3 was never verified: no grandchildren, and nothing outside the vocabulary
+
+
+def test_the_recycling_table_persists_across_calls_and_can_be_shared():
+    from tiny_models import build_tiny_model, repetitive_prompt
+
+    from lookahead import Lookahead
+    from lookahead.recycle import RecycleTable
+
+    model = build_tiny_model("llama", seed=1)
+    decoder = Lookahead(window_levels=0, pool_candidates=0, prompt_candidates=0)
+    table = decoder.recycle_table
+    assert isinstance(table, RecycleTable)
+    model.generate(repetitive_prompt(0), do_sample=False, max_new_tokens=16, custom_generate=decoder)
+    filled = int((table.table >= 0).sum())
+    assert filled > 0 and decoder.recycle_table is table  # learned from the first call, kept for the next
+    shared = Lookahead(recycle_table=table)
+    assert shared.recycle_table is table
+    assert Lookahead(recycle_nodes=0).recycle_table is None
