@@ -38,7 +38,7 @@ class Sequence:
         self.rule = make_rule(request.do_sample, config.seed)
         # The recycling table outlives the request when the caller shares one (a `Lookahead` object, a server).
         self.drafters = Drafters(config, vocab_size, prompt, request.shared_drafter, self._model_drafter(),
-                                 getattr(request, "recycle_table", None))
+                                 request.recycle_table)
         self.window = JacobiWindow(config.window_levels, config.window_columns, config.seed or 0) \
             if use_window and config.window_size else None
         if self.window is not None:

@@ -3,6 +3,8 @@ draft-chain length, and counterfactual learning."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -138,3 +140,17 @@ def test_planner_learns_from_pruned_nodes_too():
     assert after[PROMPT, 0] > before[PROMPT, 0] and after[PROMPT, 2] > before[PROMPT, 2]
     assert after[POOL, 0] < before[POOL, 0] and after[POOL, 1] == pytest.approx(before[POOL, 1])  # a one-token path
     assert planner.steps == 10
+
+
+def test_stats_record_the_planners_prediction_for_every_step():
+    from lookahead import Lookahead
+    from tiny_models import repetitive_prompt
+
+    model = build_tiny_model("llama", dtype=torch.float64, seed=1)
+    decoder = Lookahead(tree_budget=8)
+    model.generate(repetitive_prompt(0), do_sample=False, max_new_tokens=32, custom_generate=decoder)
+    stats = decoder.last_stats
+    assert len(stats.calibration) == stats.steps
+    assert Counter(n for _, n in stats.calibration) == stats.tokens_per_step
+    assert all(e >= 1.0 for e, _ in stats.calibration)
+    assert stats.as_dict()["mean_expected_tokens"] == pytest.approx(stats.mean_expected_tokens)

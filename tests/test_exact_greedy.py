@@ -11,11 +11,13 @@ from tiny_models import build_tiny_model as tiny_model, repetitive_prompt
 from lookahead import Lookahead, LookaheadConfig
 
 CONFIGS = {
+    # Single drafters verify every step (adaptive=False): the adaptive planner may rest a drafter, and the
+    # guard below needs each one's drafts verified.
     "window_only": dict(window_levels=2, window_columns=4, pool_from_text=False, prompt_candidates=0,
-                        recycle_nodes=0),
+                        recycle_nodes=0, adaptive=False),
     "pool_only": dict(window_levels=0, pool_from_text=True, prompt_candidates=0, recycle_nodes=0, adaptive=False),
     "prompt_only": dict(window_levels=0, pool_candidates=0, recycle_nodes=0),
-    "recycle_only": dict(window_levels=0, pool_candidates=0, prompt_candidates=0),
+    "recycle_only": dict(window_levels=0, pool_candidates=0, prompt_candidates=0, adaptive=False),
     "recycle_wide": dict(window_levels=0, pool_candidates=0, prompt_candidates=0, recycle_nodes=64, recycle_k=16,
                          tree_budget=48, adaptive=False),
     "all": dict(),

@@ -188,3 +188,21 @@ def test_the_recycling_table_persists_across_calls_and_can_be_shared():
     shared = Lookahead(recycle_table=table)
     assert shared.recycle_table is table
     assert Lookahead(recycle_nodes=0).recycle_table is None
+
+
+def test_one_lookahead_object_keeps_its_table_across_calls():
+    from tiny_models import build_tiny_model, repetitive_prompt
+
+    from lookahead import Lookahead
+
+    model = build_tiny_model("llama", dtype=torch.float64, seed=1)
+    decoder = Lookahead(window_levels=0, pool_candidates=0, prompt_candidates=0)
+    model.generate(repetitive_prompt(0), do_sample=False, max_new_tokens=16, custom_generate=decoder)
+    known = decoder.recycle_table.known_tokens
+    assert known > 0
+    model.generate(repetitive_prompt(1), do_sample=False, max_new_tokens=16, custom_generate=decoder)
+    assert decoder.recycle_table.known_tokens >= known
+    shared = RecycleTable(4)
+    other = Lookahead(recycle_table=shared)
+    model.generate(repetitive_prompt(2), do_sample=False, max_new_tokens=8, custom_generate=other)
+    assert other.recycle_table is shared and shared.known_tokens > 0
