@@ -303,8 +303,9 @@ def run_suite(model, tokenizer, prompts: list[Prompt], configs: list[LadeConfig]
         for method, config in methods.items():  # warm-up, not recorded
             timed_run(model, encoded[0], config, max_new_tokens, counter)
             bar.update()
-        runs = interleaved_runs(prompts, encoded, list(methods), repeats, bar, lambda input_ids, method: timed_run(
-            model, input_ids, methods[method], max_new_tokens, counter))
+        runs = interleaved_runs(prompts, encoded, list(methods), repeats, bar,
+                                lambda input_ids, method, _prompt_id: timed_run(model, input_ids, methods[method],
+                                                                                max_new_tokens, counter))
     bar.close()
     return {"settings": {"methods": list(methods), "lade_configs": [vars(c) for c in configs],
                          "repeats": repeats, "max_new_tokens": max_new_tokens, "dtype": "float32"},

@@ -249,7 +249,7 @@ class ObservedCost:
     multi-row step were seen, then within [SCALE_RANGE]. Set `curve` to the curve of the current context.
     """
 
-    SCALE_RANGE = (0.5, 20.0)
+    SCALE_RANGE = (0.5, 100.0)
 
     def __init__(self, curve: CostCurve | None):
         self.curve, self.seconds = curve, {}
