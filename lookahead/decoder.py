@@ -138,12 +138,19 @@ class Decoder:
         """Each sequence's pruned tree and whether its window runs: the planner's choice for one sequence,
         one common tree size (no windows) for a batch. The cost curve is taken at the current cache length and
         corrected by the generation's own timed steps, so the first step with a curve is a plain one (the
-        reference time)."""
+        reference time) — except for unseeded sampling at batch size 1, whose random draws must not depend on
+        timings."""
         candidates = [s.candidates() for s in sequences]
         batch = self.request.input_ids.shape[0]
         if len(sequences) == 1 and batch > 1:  # the last row of a batch: its own curve, uncorrected
             return plan_batch([sequences[0].planner], candidates, self.request.cost_curve), [False]
         curve = self.request.cost_curve if batch == 1 else self.request.batch_cost_curve
+        if batch == 1 and self.request.do_sample and self.config.seed is None:
+            # Unseeded sampling draws from one generator in step order, so a plan that followed timings would
+            # make `torch.manual_seed` runs differ: plan on the measured curve alone (at this cache length).
+            sequences[0].planner.curve = None if curve is None else curve.at(self.prefix_len)
+            tree, use_window = sequences[0].planner.plan(candidates[0])
+            return [tree], [use_window]
         if curve is not None and not self.observed.has_plain:
             return [tree.prune(0) for tree in candidates], [False] * len(sequences)
         corrected = self.observed.corrected(curve, self.prefix_len)
