@@ -101,14 +101,8 @@ def plot_speedup(result: dict, path: Path) -> None:
     for g, group in enumerate(groups):
         if group in TARGETS:
             ax.hlines(TARGETS[group], g - 0.45, g + 0.45, colors="black", linestyles="dashed", linewidth=1)
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks(range(len(groups)), groups)
-    ax.set_ylabel("speedup over HF greedy (×)")
-    ax.set_title(_title(result, "speedup per category (bars: median, dots: min, dashes: target)"), fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish_bars(fig, ax, groups, "speedup over HF greedy (×)",
+                 _title(result, "speedup per category (bars: median, dots: min, dashes: target)"), path)
 
 
 def plot_tokens_per_step(result: dict, path: Path) -> None:
@@ -194,14 +188,8 @@ def plot_ablation(result: dict, path: Path) -> None:
         bars = ax.bar(xs, [e["tokens_per_step"] for e in entries], width, label=label)
         ax.bar_label(bars, labels=[f"{e.get('speedup_vs_' + REFERENCE, 0):.2f}x" for e in entries], fontsize=6,
                      padding=2, rotation=90)
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks(range(len(groups)), groups)
-    ax.set_ylabel("tokens per step (bar labels: × HF greedy)")
-    ax.set_title(_title(result, "ablation: each drafter alone and all together"), fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish_bars(fig, ax, groups, "tokens per step (bar labels: × HF greedy)",
+                 _title(result, "ablation: each drafter alone and all together"), path)
 
 
 def tokens_per_step_counts(result: dict, method: str) -> dict[str, Counter]:
@@ -236,3 +224,17 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _finish_bars(fig, ax, groups: list[str], ylabel: str, title: str, path) -> None:
+    """Common end of a per-category bar chart: the 1.0 line, category ticks, labels, legend; save and close."""
+    import matplotlib.pyplot as plt
+
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
