@@ -145,20 +145,20 @@ class Decoder:
         if len(sequences) == 1 and batch > 1:  # the last row of a batch: its own curve, uncorrected
             return plan_batch([sequences[0].planner], candidates, self.request.cost_curve), [False]
         curve = self.request.cost_curve if batch == 1 else self.request.batch_cost_curve
-        if batch == 1 and self.request.do_sample and self.config.seed is None:
-            # Unseeded sampling draws from one generator in step order, so a plan that followed timings would
-            # make `torch.manual_seed` runs differ: plan on the measured curve alone (at this cache length).
-            sequences[0].planner.curve = None if curve is None else curve.at(self.prefix_len)
-            tree, use_window = sequences[0].planner.plan(candidates[0])
-            return [tree], [use_window]
-        if curve is not None and not self.observed.has_plain:
+        timed = not (batch == 1 and self.request.do_sample and self.config.seed is None)
+        # Unseeded sampling draws from one generator in step order, so a plan that followed timings would make
+        # `torch.manual_seed` runs differ: it plans on the measured curve alone (at this cache length).
+        if timed and curve is not None and not self.observed.has_plain:
             return [tree.prune(0) for tree in candidates], [False] * len(sequences)
-        corrected = self.observed.corrected(curve, self.prefix_len)
+        if timed:
+            curve = self.observed.corrected(curve, self.prefix_len)
+        elif curve is not None:
+            curve = curve.at(self.prefix_len)
         if batch == 1:
-            sequences[0].planner.curve = corrected
+            sequences[0].planner.curve = curve
             tree, use_window = sequences[0].planner.plan(candidates[0])
             return [tree], [use_window]
-        return plan_batch([s.planner for s in sequences], candidates, corrected), [False] * len(sequences)
+        return plan_batch([s.planner for s in sequences], candidates, curve), [False] * len(sequences)
 
     def _limit(self) -> int:
         """The length no sequence may pass: `max_length`, or once every sequence has stopped, the longest
