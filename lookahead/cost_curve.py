@@ -245,19 +245,22 @@ class ObservedCost:
 
     The curve is measured on short synthetic caches; long prompts, hole slots, a wide batch or a machine busier
     (or quieter) than during the measurement make real multi-row steps dearer (or cheaper) than it says.
-    `scale()` is how much more the extra rows really cost than the curve predicts: 1.0 until both a plain and a
-    multi-row step were seen, then within [SCALE_RANGE]. Set `curve` to the curve of the current context.
+    `scale()` is how much more the extra rows really cost than the curve predicts, pooled over the row counts
+    seen: 1.0 until a plain and a multi-row step were timed, then within [SCALE_RANGE]. Set `curve` to the curve
+    of the current context.
     """
 
     SCALE_RANGE = (0.5, 100.0)
+    PRIOR = 0.5  # pseudo-observations of extra cost agreeing with the curve (five steps predicted at +10%)
 
     def __init__(self, curve: CostCurve | None):
-        self.curve, self.seconds = curve, {}
+        self.curve, self.seconds, self.counts = curve, {}, {}
 
     def record(self, rows: int, seconds: float) -> None:
         """Add one forward of `rows` rows per sequence that took `seconds`."""
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        self.counts[rows] = self.counts.get(rows, 0) + 1
 
     @property
     def has_plain(self) -> bool:
@@ -265,18 +268,21 @@ class ObservedCost:
         return 1 in self.seconds
 
     def scale(self) -> float:
-        """max over timed row counts T > 1 of (observed t(T)/t(1) - 1) / (curve ratio(T) - 1), clipped to
-        SCALE_RANGE; 1.0 before a plain and a multi-row step were timed."""
+        """(PRIOR + Σ n_T·(observed t(T)/t(1) − 1)) / (PRIOR + Σ n_T·(curve ratio(T) − 1)) over the timed row counts
+        T > 1 (n_T: how many steps of T rows were timed), clipped to SCALE_RANGE; 1.0 before a plain step was timed.
+
+        Pooling weighs each row count by how often it ran and how much extra cost the curve gave it, and the prior
+        keeps a few noisy timings from swinging the planner: two rows predicted at +5% that once took +15% read as
+        1.2x, not 3x, while a machine that makes every wide step dearer still shows within a few steps."""
         if self.curve is None or 1 not in self.seconds:
             return 1.0
-        plain, worst = self.seconds[1], None
+        plain, observed, predicted = self.seconds[1], self.PRIOR, self.PRIOR
         for rows, seconds in self.seconds.items():
-            predicted = self.curve.ratio(rows) - 1.0
-            if rows > 1 and predicted > 1e-6:
-                excess = (seconds / plain - 1.0) / predicted
-                worst = excess if worst is None else max(worst, excess)
+            if rows > 1:
+                observed += self.counts[rows] * (seconds / plain - 1.0)
+                predicted += self.counts[rows] * max(self.curve.ratio(rows) - 1.0, 0.0)
         low, high = self.SCALE_RANGE
-        return 1.0 if worst is None else min(max(worst, low), high)
+        return min(max(observed / predicted, low), high)
 
     def corrected(self, curve: CostCurve | None, prefix_len: int) -> CostCurve | None:
         """`curve` at a cache of `prefix_len` slots, its extra-row cost scaled by what the timed steps showed

@@ -120,11 +120,27 @@ def test_observed_cost_corrects_the_curve_both_ways_within_bounds():
     observed = ObservedCost(curve)
     assert observed.corrected(curve, 256) == curve  # nothing timed yet
     observed.record(1, 1.0)
-    observed.record(4, 1.25)  # the machine is quieter than during the measurement: extra rows cost a quarter
-    assert observed.scale() == pytest.approx(0.5)  # clipped at the lower bound
+    for _ in range(5):
+        observed.record(4, 1.25)  # the machine is quieter than during the measurement: extra rows cost a quarter
+    assert observed.scale() == pytest.approx(0.5)  # (0.5 + 1.25) / (0.5 + 5) clipped at the lower bound
     assert observed.corrected(curve, 256).ratio(4) == pytest.approx(1.5)
-    observed.record(2, 3.0)
-    assert observed.scale() == pytest.approx(4.0)  # the worst row count rules
+    observed.record(2, 3.0)  # one slow 2-row step barely moves the pooled estimate
+    assert observed.scale() == pytest.approx((0.5 + 1.25 + 2.0) / (0.5 + 5.0 + 0.5))
+    for _ in range(9):
+        observed.record(2, 3.0)  # ... ten of them do
+    assert observed.scale() == pytest.approx((0.5 + 1.25 + 20.0) / (0.5 + 5.0 + 5.0))
+
+
+def test_observed_cost_is_not_swung_by_noise_on_a_nearly_free_row_count():
+    curve = CostCurve((1, 2, 8), (1.0, 1.05, 1.5), 0.1)
+    observed = ObservedCost(curve)
+    observed.record(1, 1.0)
+    for _ in range(3):
+        observed.record(2, 1.15)  # 10% timing noise on a step predicted at +5%
+    assert observed.scale() == pytest.approx((0.5 + 0.45) / (0.5 + 0.15))  # ~1.5x, where the worst-ratio rule said 3x
+    for _ in range(20):
+        observed.record(8, 2.5)  # wide steps really cost three times the curve's extra
+    assert observed.scale() > 2.5
 
 
 def test_calibrate_prints_the_curve_at_each_cache_length(tmp_path, monkeypatch):
