@@ -6,15 +6,10 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (chat template ap
 distribution, and with `seed` the same request gives the same tokens. Responses carry the speculation stats in an extra
 `lookahead` field (tokens per step, ...).
 
-Concurrency: the model is not thread-safe, so one worker thread runs the generations one at a time, in arrival
-order (at most `max_queue` waiting behind the running one, then 503). Tokens reach the request's coroutine
-through an asyncio queue as soon as a step commits them; a client that disconnects sets its job's cancel flag,
-which a stopping criterion checks after every committed token; shutting down (Ctrl-C) sets every job's flag.
-After each generation, prompt + output go into the `SuffixCache`, which drafts for later requests (editors
-re-send almost the same file on every keystroke).
-
-Who may send requests (Host, Origin, API key, content type) is `server_guard`'s job; connection limits,
-timeouts and the prompt shutdown are `server_http`'s.
+This module is the HTTP side: settings, the endpoints, and the mapping of the engine's errors to status codes.
+Generations run in `server_engine` (queue, worker thread, cancellation); requests are validated and responses
+shaped by `server_schema`; who may send requests (Host, Origin, API key, content type) is `server_guard`'s job;
+connection limits, timeouts and the prompt shutdown are `server_http`'s.
 """
 
 from __future__ import annotations
@@ -22,12 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -36,15 +28,13 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
-from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
 
 from .config import LookaheadConfig
-from .hf import Lookahead
-from .recycle import RecycleTable
+from .server_engine import (Completion, Delta, Engine, EngineBusy, EngineClosed, EngineError, JobStream,
+                            NoChatTemplate)
 from .server_guard import LOOPBACK_HOSTS, RequestGuard, check_origin
-from .server_schema import (APIError, ChatRequest, Completion, CompletionRequest, ResponseShape, Sampling,
-                            parse_body, sampling, speculation_stats, sse, stop_strings)
+from .server_schema import (APIError, ChatRequest, CompletionRequest, ResponseShape, parse_body, sampling, sse,
+                            stop_strings)
 from .suffix_cache import SuffixCache
 
 log = logging.getLogger("lookahead.server")
@@ -107,253 +97,6 @@ def model_name_for(path: str | None) -> str:
     resolved = Path(path).expanduser().resolve()
     return resolved.stem if resolved.suffix == ".gguf" else resolved.name
 
-
-def sampling_kwargs(params: Sampling) -> dict:
-    """`generate()` keyword arguments choosing tokens as `params` asks: temperature 0 is greedy, otherwise exact
-    sampling with `temperature` and `top_p` (no top-k, as in OpenAI's API). The seed goes to the decoder config
-    (see `_generate`)."""
-    if params.temperature == 0:
-        return {"do_sample": False}
-    return {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
-
-
-# -- completion text: stop strings and safe streaming --------------------------------------------------------
-
-def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Index in `text` where the earliest occurrence of any stop string starts, or None."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
-
-
-def stable_length(text: str, stops: tuple[str, ...]) -> int:
-    """How much of a growing completion `text` can be sent now: never a stop string nor what follows it, nor a
-    tail that may still become a stop string, nor a trailing incomplete UTF-8 character (decoded as U+FFFD)."""
-    cut = first_stop(text, stops)
-    if cut is not None:
-        return cut
-    end = len(text.rstrip("\ufffd"))
-    hold = max((k for s in stops for k in range(1, min(len(s), end + 1)) if text[:end].endswith(s[:k])),
-               default=0)
-    return end - hold
-
-
-class _TextStreamer(BaseStreamer):
-    """Receives committed token chunks from the decoder and emits ("delta", text) events of stable text."""
-
-    def __init__(self, decode, stops: tuple[str, ...], emit):
-        self.decode, self.stops, self.emit = decode, stops, emit
-        self.ids: list[int] = []
-        self.sent = 0
-        self.prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        """Take the next committed tokens ([n] or [1, n]); the first call carries the prompt and is skipped."""
-        if not self.prompt_seen:
-            self.prompt_seen = True
-            return
-        self.ids += value.reshape(-1).tolist()
-        text = self.decode(self.ids)
-        stable = stable_length(text, self.stops)
-        if stable > self.sent:
-            self.emit(("delta", text[self.sent: stable]))
-            self.sent = stable
-
-    def end(self) -> None:
-        """Nothing to flush: the final text travels with the "done" event."""
-
-
-class _Cancelled(StoppingCriteria):
-    """Stops the generation once `event` is set (the client went away, or the server is shutting down)."""
-
-    def __init__(self, event: threading.Event):
-        self.event = event
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool)
-
-
-class _StopText(StoppingCriteria):
-    """Stops once the completion text contains a stop string (checked on the last few tokens' text).
-
-    transformers' `StopStringCriteria` preprocesses the whole vocabulary per request (~1.5 s here); decoding
-    the tail is enough because the decoder checks after every committed token, so a stop string is caught in
-    the token that completes it. A tail of `4 * len(stop) + 4` tokens covers the string even if every
-    character spans four byte-level tokens.
-    """
-
-    def __init__(self, decode, stops: tuple[str, ...], prompt_len: int):
-        self.decode, self.stops, self.prompt_len = decode, stops, prompt_len
-        self.window = 4 * max(len(s) for s in stops) + 4
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        start = max(self.prompt_len, input_ids.shape[1] - self.window)
-        text = self.decode(input_ids[0, start:].tolist())
-        return torch.full((input_ids.shape[0],), first_stop(text, self.stops) is not None, dtype=torch.bool)
-
-
-# -- the generation worker -----------------------------------------------------------------------------------
-
-@dataclass(eq=False)  # identity semantics: jobs live in a set
-class _Job:
-    """One generation: prompt ids [1, L], the token budget, stop strings, sampling, cancel flag, event sink."""
-
-    input_ids: torch.Tensor
-    max_new_tokens: int
-    stops: tuple[str, ...]
-    sampling: Sampling
-    cancel: threading.Event
-    emit: object  # callable(event): thread-safe, delivers to the request's coroutine
-
-
-class JobStream:
-    """The asynchronous side of one job: iterate `events()`, call `cancel()` when the client is gone."""
-
-    def __init__(self, cancel: threading.Event):
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._cancel = cancel
-
-    def emit(self, event: tuple) -> None:
-        """Deliver an event from the worker thread (dropped if the event loop is already closed)."""
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-
-    async def events(self):
-        """Yield ("delta", str) events, then ("done", Completion); re-raise a worker failure."""
-        while True:
-            kind, payload = await self._queue.get()
-            if kind == "error":
-                raise payload
-            yield kind, payload
-            if kind == "done":
-                return
-
-    def cancel(self) -> None:
-        """Ask the worker to stop this job (no-op once it is done)."""
-        self._cancel.set()
-
-
-class Engine:
-    """Owns the model, the tokenizer (behind a lock: it is shared by the event loop and the worker) and the
-    single generation worker thread."""
-
-    def __init__(self, model, tokenizer, config: LookaheadConfig, cache: SuffixCache | None, max_queue: int):
-        self.model, self.tokenizer, self.config, self.cache = model, tokenizer, config, cache
-        # Token recycling learns the model's own next-token predictions: kept across requests, like the cache.
-        self.recycle_table = RecycleTable(config.recycle_k) if config.recycle_nodes else None
-        self.max_queue = max_queue
-        eos = model.generation_config.eos_token_id
-        self.eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-        self._tokenizer_lock = threading.Lock()
-        self._lock = threading.Lock()
-        self._jobs: set[_Job] = set()  # submitted and not finished
-        self._closing = False  # set by `cancel_all`: new jobs are refused
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookahead-generate")
-        self.last_completion: Completion | None = None  # the latest finished job (reported by /health)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (the same call as `lookahead generate`)."""
-        with self._tokenizer_lock:
-            return self.tokenizer(text).input_ids
-
-    def chat_text(self, messages: list[dict]) -> str:
-        """The chat template applied to `messages` with the generation prompt; `APIError` without a template."""
-        if not self.tokenizer.chat_template:
-            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
-                           param="messages")
-        with self._tokenizer_lock:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    def decode(self, ids: list[int]) -> str:
-        """Text of completion token ids, special tokens (EOS) left out."""
-        with self._tokenizer_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    @property
-    def queued(self) -> int:
-        """Jobs submitted and not finished (the running one included)."""
-        return len(self._jobs)
-
-    def start(self, input_ids: list[int], max_new_tokens: int, stops: tuple[str, ...],
-              params: Sampling) -> JobStream:
-        """Queue a generation; returns its `JobStream` (call from the event loop).
-
-        Raises `APIError` (503) when `max_queue` jobs are already waiting behind the running one, or when the
-        server is shutting down.
-        """
-        cancel = threading.Event()
-        stream = JobStream(cancel)
-        job = _Job(torch.tensor([input_ids], dtype=torch.long), max_new_tokens, stops, params, cancel, stream.emit)
-        with self._lock:
-            if self._closing:
-                raise shutting_down()
-            if len(self._jobs) > self.max_queue:  # one of them is running
-                raise APIError(503, f"server busy: {len(self._jobs) - 1} generations waiting; retry later",
-                               type="server_error", code="server_busy", headers=RETRY_AFTER)
-            self._jobs.add(job)
-        self._executor.submit(self._run, job)
-        return stream
-
-    def cancel_all(self) -> None:
-        """Refuse new jobs and cancel every submitted one (each running job ends within one step)."""
-        with self._lock:
-            self._closing = True
-            for job in self._jobs:
-                job.cancel.set()
-
-    @property
-    def closing(self) -> bool:
-        """Whether `cancel_all` was called (the server is shutting down)."""
-        return self._closing
-
-    def close(self) -> None:
-        """Cancel every job and wait for the worker to drain."""
-        self.cancel_all()
-        self._executor.shutdown(wait=True)
-
-    def _run(self, job: _Job) -> None:
-        """Worker: generate (unless cancelled meanwhile) and report "done" or "error" to the job's stream."""
-        try:
-            prompt_len = job.input_ids.shape[1]
-            completion = Completion("", "cancelled", prompt_len, 0, {}) if job.cancel.is_set() \
-                else self._generate(job)
-            self.last_completion = completion
-            job.emit(("done", completion))
-        except Exception as exc:  # reported to its client; the worker keeps serving the others
-            log.exception("generation failed")
-            job.emit(("error", exc))
-        finally:
-            with self._lock:
-                self._jobs.discard(job)
-
-    def _generate(self, job: _Job) -> Completion:
-        """Run `model.generate` with lookahead for one job; feed the suffix cache; return the `Completion`."""
-        prompt_len = job.input_ids.shape[1]
-        criteria = StoppingCriteriaList([_Cancelled(job.cancel)])
-        if job.stops:
-            criteria.append(_StopText(self.decode, job.stops, prompt_len))
-        config = self.config if job.sampling.seed is None else self.config.with_overrides(seed=job.sampling.seed)
-        decoder = Lookahead(config, shared_drafter=self.cache, recycle_table=self.recycle_table)
-        output = self.model.generate(
-            job.input_ids, attention_mask=torch.ones_like(job.input_ids), max_new_tokens=job.max_new_tokens,
-            stopping_criteria=criteria, custom_generate=decoder,
-            lookahead_streamer=_TextStreamer(self.decode, job.stops, job.emit), **sampling_kwargs(job.sampling))
-        new = output[0, prompt_len:].tolist()
-        if self.cache is not None:
-            self.cache.add(output[0].cpu().numpy())
-        text = self.decode(new)
-        cut = first_stop(text, job.stops)
-        if job.cancel.is_set():
-            reason = "cancelled"
-        elif cut is not None or (new and new[-1] in self.eos_ids) or len(new) < job.max_new_tokens:
-            reason = "stop"
-        else:
-            reason = "length"
-        return Completion(text if cut is None else text[:cut], reason, prompt_len, len(new),
-                          speculation_stats(decoder.last_stats))
-
-
-# -- HTTP ----------------------------------------------------------------------------------------------------
 
 class BodyLimit:
     """ASGI middleware: answer 413 to request bodies over `max_bytes` (declared or streamed), before the app
@@ -447,7 +190,7 @@ class _Handlers:
                                param="prompt")
             ids = self.engine.encode(prompt[0])
         else:
-            vocab = self.engine.model.config.get_text_config().vocab_size
+            vocab = self.engine.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise APIError(400, f"prompt: token ids must be in [0, {vocab}), got {bad[0]}", param="prompt")
@@ -482,14 +225,20 @@ class _Handlers:
                                      background=BackgroundTask(stream.cancel))
         completion = await _collect(stream, request)
         if completion.finish_reason == "cancelled":  # by shutdown (a client that left gets no answer anyway)
-            raise shutting_down()
+            raise api_error(EngineClosed())
         return JSONResponse(shape.whole(completion))
 
 
-def shutting_down() -> APIError:
-    """The 503 answered while the server shuts down."""
-    return APIError(503, "server is shutting down; the generation was cancelled", type="server_error",
-                    code="server_shutting_down", headers=RETRY_AFTER)
+def api_error(exc: EngineError) -> APIError:
+    """The HTTP answer to an engine error: 503 with `Retry-After` when busy or shutting down, 400 for a request
+    the model cannot serve."""
+    if isinstance(exc, EngineBusy):
+        return APIError(503, str(exc), type="server_error", code="server_busy", headers=RETRY_AFTER)
+    if isinstance(exc, EngineClosed):
+        return APIError(503, str(exc), type="server_error", code="server_shutting_down", headers=RETRY_AFTER)
+    if isinstance(exc, NoChatTemplate):
+        return APIError(400, str(exc), param="messages")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
 
 
 async def _collect(stream: JobStream, request: Request) -> Completion:
@@ -501,13 +250,10 @@ async def _collect(stream: JobStream, request: Request) -> Completion:
 
     watcher = asyncio.create_task(watch_disconnect())
     try:
-        async for kind, payload in stream.events():
-            if kind == "done":
-                return payload
+        return await stream.completion()
     finally:
         watcher.cancel()
         stream.cancel()  # no-op once done
-    raise RuntimeError("generation ended without a result")  # events() always ends with "done" or raises
 
 
 async def _sse_events(stream: JobStream, shape: ResponseShape, engine: Engine):
@@ -517,16 +263,17 @@ async def _sse_events(stream: JobStream, shape: ResponseShape, engine: Engine):
     try:
         if shape.chat:
             yield sse(shape.chunk("", first=True))
-        async for kind, payload in stream.events():
-            if kind == "delta":
-                sent += payload
-                yield sse(shape.chunk(payload))
-            elif payload.finish_reason == "cancelled" and engine.closing:
-                yield sse(shutting_down().body())
+        async for event in stream.events():
+            if isinstance(event, Delta):
+                sent += event.text
+                yield sse(shape.chunk(event.text))
+            elif event.completion.finish_reason == "cancelled" and engine.closing:
+                yield sse(api_error(EngineClosed()).body())
                 return
             else:
-                rest = payload.text[len(sent):] if payload.text.startswith(sent) else ""
-                yield sse(shape.last_chunk(payload, rest))
+                done = event.completion
+                rest = done.text[len(sent):] if done.text.startswith(sent) else ""
+                yield sse(shape.last_chunk(done, rest))
         yield sse("[DONE]")
     except Exception as exc:  # the status line is already sent: report in-band, as OpenAI does
         log.exception("streamed generation failed")
@@ -536,9 +283,11 @@ async def _sse_events(stream: JobStream, shape: ResponseShape, engine: Engine):
 
 
 def _error_response(request: Request, exc: Exception) -> JSONResponse:
-    """Any exception as an OpenAI-style JSON error (`APIError`, routing errors, or a 500)."""
+    """Any exception as an OpenAI-style JSON error (`APIError`, engine and routing errors, or a 500)."""
     if isinstance(exc, APIError):
         error = exc
+    elif isinstance(exc, EngineError):
+        error = api_error(exc)
     elif isinstance(exc, HTTPException):
         error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
     else:
@@ -570,7 +319,8 @@ def create_app(model, tokenizer, settings: ServerSettings | None = None, cache: 
                 Route("/v1/completions", handlers.completions, methods=["POST"]),
                 Route("/v1/chat/completions", handlers.chat, methods=["POST"])],
         middleware=_middleware(settings),
-        exception_handlers={Exception: _error_response, HTTPException: _error_response, APIError: _error_response},
+        exception_handlers={Exception: _error_response, HTTPException: _error_response, APIError: _error_response,
+                            EngineError: _error_response},
         lifespan=lifespan)
     app.state.engine, app.state.settings = engine, settings
     return app

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .sampling import MIN_TEMPERATURE
+from .server_engine import Completion, Sampling
 
 MAX_STOP_STRINGS = 16
 MAX_DEPTH = 32  # nesting of a request body; OpenAI bodies nest 4 deep (messages[0].content[0].text)
@@ -100,15 +100,6 @@ class ChatRequest(_Request):
     top_logprobs: int | None = None
     tools: list | None = None
     response_format: dict | None = None
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How to pick tokens: `temperature` 0 is greedy; `top_p` and `seed` only matter when sampling."""
-
-    temperature: float
-    top_p: float
-    seed: int | None
 
 
 def parse_body(raw: bytes, schema: type[_Request]) -> _Request:
@@ -243,28 +234,6 @@ def sampling(request: _Request) -> Sampling:
     temperature = 0.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     return Sampling(temperature=temperature, top_p=top_p, seed=request.seed)
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A finished generation: the completion text (stop string trimmed) and how it ended.
-
-    finish_reason: "stop" (EOS or stop string), "length" (max_tokens or the context), or "cancelled" (the
-    client went away; never sent). stats: `DecodeStats.as_dict()` subset, see `speculation_stats`.
-    """
-
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    stats: dict
-
-
-def speculation_stats(stats) -> dict:
-    """The `lookahead` extra field of a response from a `DecodeStats`: tokens per step and friends."""
-    return {"tokens_per_step": round(stats.mean_tokens_per_step, 4), "steps": stats.steps,
-            "new_tokens": stats.new_tokens, "tokens_per_second": round(stats.tokens_per_second, 2),
-            "accepted_by_drafter": dict(stats.accepted_by_drafter)}
 
 
 class ResponseShape:

@@ -21,9 +21,9 @@ from server_helpers import one_thread, serving as _serving  # noqa: F401  (one_t
 from tiny_models import build_tiny_model
 
 from lookahead import Lookahead, LookaheadConfig, load_model
-from lookahead.server import (ServerSettings, create_app, first_stop, model_name_for, sampling_kwargs,
-                              stable_length)
-from lookahead.server_schema import Sampling
+from lookahead.server import ServerSettings, create_app, model_name_for
+from lookahead.server_engine import Sampling, sampling_kwargs
+from lookahead.server_text import first_stop, stable_length
 from lookahead.suffix_cache import SuffixCache
 
 NAME = "tiny"
