@@ -54,9 +54,10 @@ def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[int]:
 
 
 def _packable(module: nn.Module) -> bool:
-    """An fp32 CPU `nn.Linear` (subclasses with their own forward, e.g. quantized layers, are left alone)."""
-    return (type(module) is nn.Linear and module.weight.device.type == "cpu"
-            and module.weight.dtype == torch.float32)
+    """An fp32 CPU `nn.Linear` holding a plain tensor (subclasses with their own forward, e.g. quantized layers,
+    and tensor-parallel shards, whose weights are `DTensor`s, are left alone)."""
+    return (type(module) is nn.Linear and type(module.weight.data) is torch.Tensor
+            and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32)
 
 
 def _packed_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
