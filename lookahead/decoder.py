@@ -3,6 +3,7 @@ compact the cache → update; finished sequences leave the batch."""
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from .cache import keep_rows_batched, keep_sequences
 from .config import LookaheadConfig
 from .layout import pack_batch
 from .recycle import RecycleTable
+from .scores import padded_tail_logits, step_outputs
 from .sequence import Sequence
 from .stats import DecodeStats
 
@@ -32,7 +34,8 @@ class DecodeRequest:
     the caller) that drafts a chain each step; pad_finished: a sequence stops at its stopping criteria and is
     padded with `pad_token_id` (HF does this when an EOS criterion exists; otherwise a stopped row keeps
     generating until every row has stopped); recycle_table: the token-recycling table the generation reads
-    and refreshes (shared across calls; None = a private one).
+    and refreshes (shared across calls; None = a private one); record_scores: keep every generated token's
+    raw logits and processed scores for `Decoder.step_outputs`.
     """
 
     input_ids: torch.Tensor
@@ -49,6 +52,7 @@ class DecodeRequest:
     pad_finished: bool = True
     pad_token_id: int | None = None
     recycle_table: RecycleTable | None = None
+    record_scores: bool = False
 
 
 class Decoder:
@@ -76,6 +80,15 @@ class Decoder:
         if self.request.streamer is not None:
             self.request.streamer.end()
         return self._output()
+
+    def step_outputs(self, sequences: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """(scores, logits) of every generated position of `sequences` (what `run()` returned), one [B, V] tensor
+        per position as `generate` returns them; needs `request.record_scores`."""
+        prompt_len = self.request.input_ids.shape[1]
+        tail = functools.partial(padded_tail_logits, self.model, sequences,
+                                 self.request.prompt_kwargs.get("attention_mask"), prompt_len)
+        return step_outputs([s.record for s in self.sequences], sequences, prompt_len, tail,
+                            lambda b, text, logits: self.sequences[b].process(text.cpu().numpy(), logits))
 
     def _prefill(self) -> None:
         """Forward the prompts and commit each sequence's next token."""

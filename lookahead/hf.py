@@ -28,7 +28,7 @@ from .packed_linear import packed_linears
 from .recycle import RecycleTable
 from .stats import DecodeStats
 
-_UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+_UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
 _PATCH_ATTR = "_lookahead_patch"
 
 
@@ -85,13 +85,17 @@ class Lookahead:
                                 batch_cost_curve=self._cost_curve(model, batch) if batch > 1 else None,
                                 draft_model=self.draft_model, pad_token_id=_pad_token(generation_config),
                                 recycle_table=self.recycle_table,
-                                pad_finished=any(hasattr(c, "eos_token_id") for c in stopping_criteria))
+                                pad_finished=any(hasattr(c, "eos_token_id") for c in stopping_criteria),
+                                record_scores=_wants_scores(generation_config))
         decoder = Decoder(model, self.config, request)
         sequences = decoder.run()
         self.last_stats = decoder.stats
-        if generation_config.return_dict_in_generate:
-            return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=decoder.cache)
-        return sequences
+        if not generation_config.return_dict_in_generate:
+            return sequences
+        scores, logits = decoder.step_outputs(sequences) if request.record_scores else (None, None)
+        return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=decoder.cache,
+                                         scores=scores if generation_config.output_scores else None,
+                                         logits=logits if generation_config.output_logits else None)
 
     def _cost_curve(self, model, batch: int = 1):
         """The model's measured cost curve at `batch` sequences when the budget adapts (measured once, then
@@ -118,6 +122,11 @@ def _pad_token(config: GenerationConfig) -> int | None:
     return int(pad) if pad is not None else config.pad_token_id
 
 
+def _wants_scores(config: GenerationConfig) -> bool:
+    """Whether `generate` must return per-token scores or logits."""
+    return bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
+
+
 def _check_generation_config(config: GenerationConfig, input_ids: torch.Tensor) -> None:
     """Raise `ValueError` naming any generation option lookahead cannot honour exactly."""
     if (config.num_beams or 1) > 1:
@@ -129,7 +138,8 @@ def _check_generation_config(config: GenerationConfig, input_ids: torch.Tensor) 
         for name in _UNSUPPORTED_OUTPUTS:
             if getattr(config, name, False):
                 raise ValueError(f"lookahead cannot return {name.removeprefix('output_')} "
-                                 f"({name}=True); only `sequences` is returned with return_dict_in_generate")
+                                 f"({name}=True); with return_dict_in_generate it returns `sequences`, "
+                                 "`scores` (output_scores) and `logits` (output_logits)")
 
 
 def patch(model, config: LookaheadConfig | None = None, **overrides) -> Lookahead:

@@ -13,6 +13,7 @@ from .drafters import DRAFT_MODEL, POOL, SOURCE_DRAFTER, Drafters
 from .jacobi import JacobiWindow
 from .layout import RowDrafts
 from .rules import make_rule
+from .scores import ScoreRecord
 from .stats import AcceptedDrafts
 from .tree import DraftTree
 from .verify import Verdict
@@ -36,6 +37,7 @@ class Sequence:
         self.hidden, self.root_position = hidden, root_position
         self.stop_length: int | None = None  # length when the stopping criteria first fired
         self.rule = make_rule(request.do_sample, config.seed)
+        self.record = ScoreRecord() if request.record_scores else None  # for output_scores / output_logits
         # The recycling table outlives the request when the caller shares one (a `Lookahead` object, a server).
         self.drafters = Drafters(config, vocab_size, prompt, request.shared_drafter, self._model_drafter(),
                                  request.recycle_table)
@@ -84,13 +86,20 @@ class Sequence:
         """The token chosen by the rule from the prefill's last logits [V]."""
         self.drafters.recycle_rows(self.ids[self.length - 1: self.length], logits.view(1, -1))
         scores = self.score([], logits) if self.has_processors else logits
+        if self.record is not None:
+            self.record.record(0, logits.view(1, -1), [scores])
         return self.rule.first(scores, self.length)
 
     def verify(self, tree: DraftTree, logits: torch.Tensor) -> Verdict:
         """Walk `tree` with the rule against its rows' raw logits [N, V]; then recycle every row's top-k
         (the accepted path last, so its true-context prediction is the one kept for a repeated token)."""
-        verdict = self.rule.walk(tree, logits, self._node_scorer(), root_index=self.length - 1,
+        scorer = self._node_scorer()
+        if self.record is not None:
+            scorer = self.record.remembering(scorer)
+        verdict = self.rule.walk(tree, logits, scorer, root_index=self.length - 1,
                                  sampled=self.drafters.sampled_drafts(tree))
+        if self.record is not None:
+            self.record.record_walk(self.new_tokens, verdict, logits)
         path = np.asarray(verdict.path, dtype=np.int64)
         others = np.setdiff1d(np.arange(tree.size), path, assume_unique=True)
         self.drafters.recycle_rows(tree.tokens, logits, np.concatenate([others, path]))

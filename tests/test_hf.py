@@ -103,8 +103,8 @@ def test_return_dict_in_generate_gives_sequences(model):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(num_beams=2), "beam search"),
-    (dict(return_dict_in_generate=True, output_scores=True), "output_scores"),
-    (dict(return_dict_in_generate=True, output_logits=True), "output_logits"),
+    (dict(return_dict_in_generate=True, output_attentions=True), "output_attentions"),
+    (dict(return_dict_in_generate=True, output_hidden_states=True), "output_hidden_states"),
 ])
 def test_unsupported_options_are_refused(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
