@@ -14,8 +14,8 @@ from .draft_model import ModelDrafter
 from .ngram_pool import NGramPool
 from .prompt_lookup import PromptLookup
 from .recycle import RecycleDrafter, RecycleTable
-from .sampling import SampledDrafts
 from .tree import DraftTree
+from .verify import SampledDrafts
 
 # DraftTree.source indexes these. Prompt lookup is split by suffix-match length (1, 2, 3+ tokens) and token
 # recycling by the node's top-k rank under its parent (0, 1, 2, 3+), because acceptance depends strongly on

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import (SampledDrafts, probs_from_scores, sample_point_mass, sample_seeded, verify_point_mass,
-                       verify_seeded)
+from .sampling import probs_from_scores, sample, sample_seeded
 from .tree import DraftTree
-from .verify import NodeScorer, Verdict, verify_greedy
+from .verify import NodeProbs, NodeScorer, SampledDrafts, Verdict, verify_greedy, verify_point_mass, verify_seeded
 
 
 class GreedyRule:
@@ -40,12 +39,12 @@ class SampledRule:
 
     def first(self, scores: torch.Tensor, index: int) -> int:
         """Sample the token at `index` from softmax(scores)."""
-        return sample_point_mass(probs_from_scores(scores), [], self.generator)
+        return sample(probs_from_scores(scores), self.generator)
 
     def propose(self, scores: torch.Tensor, index: int) -> tuple[int, torch.Tensor]:
         """A draft model's token at `index`: a sample from q = softmax(scores [V]); returns (token, q)."""
         q = probs_from_scores(scores)
-        return sample_point_mass(q, [], self.generator), q
+        return sample(q, self.generator), q
 
     def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer, root_index: int,
              sampled: SampledDrafts | None = None) -> Verdict:
@@ -87,7 +86,7 @@ def make_rule(do_sample: bool, seed: int | None):
     return SampledRule(generator)
 
 
-def _probs_at(tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer):
+def _probs_at(tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer) -> NodeProbs:
     """probs_at(node, path) for the sampling walks: processed scores of the node's row → probabilities."""
     def probs_at(node: int, path: list[int]) -> torch.Tensor:
         return probs_from_scores(scorer(path, logits[node]))

@@ -15,10 +15,10 @@ from test_sampling_model import pooled_chisquare_p
 from tiny_models import build_tiny_model, repetitive_prompt
 
 from lookahead import Lookahead, LookaheadConfig
-from lookahead import sampling
+from lookahead import verify
 from lookahead.draft_model import ModelDrafter, check_draft_model, check_same_tokenizer, early_exit_draft
-from lookahead.sampling import verify_point_mass
 from lookahead.tree import DraftTree
+from lookahead.verify import verify_point_mass
 
 ALPHA = 1e-4
 NEGATIVE_P = 1e-12
@@ -198,31 +198,31 @@ def _residual_without_q(probs, draft, q, others, generator):
     u = float(torch.rand(1, generator=generator, dtype=torch.float64))
     if u * float(q[draft]) < float(probs[draft]):
         return draft
-    return sampling.sample_point_mass(probs.clone().index_fill_(0, torch.tensor([draft]), 0.0), others, generator)
+    return verify.sample_point_mass(probs.clone().index_fill_(0, torch.tensor([draft]), 0.0), others, generator)
 
 
 def _bonus_from_target(probs, draft, q, others, generator):  # on rejection draw from p itself
     u = float(torch.rand(1, generator=generator, dtype=torch.float64))
     if u * float(q[draft]) < float(probs[draft]):
         return draft
-    return sampling.sample_point_mass(probs, others, generator)
+    return verify.sample_point_mass(probs, others, generator)
 
 
 # Not a wrong rule: accepting a sampled x with probability p(x) and zeroing it on rejection is the point-mass rule,
 # exact for ANY draft chosen independently of the acceptance draws (only less efficient than min(1, p/q)).
 def _point_mass_rule_for_the_sampled_draft(probs, draft, q, others, generator):
-    return sampling.sample_point_mass(probs, [draft, *others], generator)
+    return verify.sample_point_mass(probs, [draft, *others], generator)
 
 
 def test_point_mass_rule_is_also_exact_for_a_sampled_draft(monkeypatch):
-    monkeypatch.setattr(sampling, "sample_with_draft", _point_mass_rule_for_the_sampled_draft)
+    monkeypatch.setattr(verify, "sample_with_draft", _point_mass_rule_for_the_sampled_draft)
     counts, p = _draw_with_sampled_chain(6000, seed=2)
     assert chi_square_p(counts, p.joint(2)) > ALPHA
 
 
 @pytest.mark.parametrize("wrong_rule", [_accept_always, _residual_without_q, _bonus_from_target])
 def test_negative_control_wrong_draft_rule_is_detected(monkeypatch, wrong_rule):
-    monkeypatch.setattr(sampling, "sample_with_draft", wrong_rule)
+    monkeypatch.setattr(verify, "sample_with_draft", wrong_rule)
     counts, p = _draw_with_sampled_chain(3000, seed=1)
     assert chi_square_p(counts, p.joint(2)) < NEGATIVE_P
 
@@ -230,7 +230,7 @@ def test_negative_control_wrong_draft_rule_is_detected(monkeypatch, wrong_rule):
 def test_sample_with_draft_refuses_a_draft_q_never_proposes():
     probs = torch.tensor([0.5, 0.5], dtype=torch.float64)
     with pytest.raises(ValueError, match="probability 0 under its own q"):
-        sampling.sample_with_draft(probs, 1, torch.tensor([1.0, 0.0]), [], torch.Generator().manual_seed(0))
+        verify.sample_with_draft(probs, 1, torch.tensor([1.0, 0.0]), [], torch.Generator().manual_seed(0))
 
 
 def test_joint_law_of_first_two_tokens_with_a_sampled_draft_model():

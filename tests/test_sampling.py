@@ -1,4 +1,4 @@
-"""Tests for lookahead/sampling.py.
+"""Tests for exact sampling: lookahead/sampling.py and the sampling walks of lookahead/verify.py.
 
 Exactness is tested statistically: synthetic targets p(. | context) over vocabularies of 4-6 tokens, hand-built
 draft trees, N_DRAWS draws, and a chi-square goodness-of-fit test of the first emitted token and of the first
@@ -19,16 +19,9 @@ import pytest
 import torch
 from scipy import stats
 
-from lookahead import sampling
-from lookahead.sampling import (
-    gumbel_noise,
-    gumbel_scores,
-    probs_from_scores,
-    sample_point_mass,
-    sample_seeded,
-    verify_point_mass,
-    verify_seeded,
-)
+from lookahead import sampling, verify
+from lookahead.sampling import gumbel_noise, gumbel_scores, probs_from_scores, sample_seeded
+from lookahead.verify import sample_point_mass, verify_point_mass, verify_seeded
 from lookahead.tree import DraftTree
 
 ALPHA = 1e-4  # per chi-square check: a correct rule fails with probability ALPHA over the choice of seeds
@@ -92,7 +85,7 @@ CASES = {
 def draw(case: str, step, n_draws: int = N_DRAWS, checked: int = 500) -> tuple[Counter, Target]:
     """Emit tokens until `n` exist, `n_draws` times; returns counts of the first `n` tokens and the target.
 
-    step(draw_index, tree, probs_at, root_position) -> Verdict. For the first `checked` draws every Verdict is
+    step(draw_index, tree, probs_at, root_index) -> Verdict. For the first `checked` draws every Verdict is
     checked against its tree, and probs_at must have been called exactly for the path's nodes, with their path
     tokens, in order.
     """
@@ -152,11 +145,11 @@ def p_values(counts: Counter, target: Target) -> tuple[float, float]:
 
 def point_mass_step(seed: int):
     generator = torch.Generator().manual_seed(seed)
-    return lambda i, tree, probs_at, root_position: verify_point_mass(tree, probs_at, generator)
+    return lambda i, tree, probs_at, root_index: verify_point_mass(tree, probs_at, generator)
 
 
-def seeded_step(i, tree, probs_at, root_position):
-    return verify_seeded(tree, probs_at, seed=1000 + i, root_position=root_position)
+def seeded_step(i, tree, probs_at, root_index):
+    return verify_seeded(tree, probs_at, seed=1000 + i, root_index=root_index)
 
 
 # --- probs_from_scores ---------------------------------------------------------------------------------------
@@ -215,7 +208,7 @@ def test_verify_point_mass_tries_children_in_rank_order(monkeypatch):
         tried.append(drafts)
         return drafts[0] if drafts else 4
 
-    monkeypatch.setattr(sampling, "sample_point_mass", spy)
+    monkeypatch.setattr(verify, "sample_point_mass", spy)
     verdict = verify_point_mass(tree, lambda node, path: torch.full((5,), 0.2), torch.Generator())
     assert tried == [[3, 1, 2], [1, 0], []]
     assert (verdict.tokens, verdict.path) == ([3, 1, 4], [0, 1, 2])
@@ -286,7 +279,7 @@ def bonus_from_target(probs, drafts, generator):
 
 @pytest.mark.parametrize("wrong_rule", [accept_always, no_renormalisation, bonus_from_target])
 def test_negative_control_wrong_point_mass_rule_is_detected(monkeypatch, wrong_rule):
-    monkeypatch.setattr(sampling, "sample_point_mass", wrong_rule)  # verify_point_mass's walk uses the bad rule
+    monkeypatch.setattr(verify, "sample_point_mass", wrong_rule)  # verify_point_mass's walk uses the bad rule
     counts, target = draw("siblings", point_mass_step(seed=0), n_draws=NEGATIVE_DRAWS)
     p_first, p_joint = p_values(counts, target)
     print(f"{wrong_rule.__name__}: p_first = {p_first:.3g}, p_joint = {p_joint:.3g}")
@@ -296,7 +289,7 @@ def test_negative_control_wrong_point_mass_rule_is_detected(monkeypatch, wrong_r
 # --- seeded (Gumbel-max) sampling --------------------------------------------------------------------------
 
 
-def test_gumbel_noise_is_a_function_of_seed_and_position():
+def test_gumbel_noise_is_a_function_of_seed_and_index():
     a = gumbel_noise(5, 17, 64, "cpu")
     assert a.shape == (64,) and a.dtype == torch.float64 and torch.isfinite(a).all()
     assert torch.equal(a, gumbel_noise(5, 17, 64, torch.device("cpu")))
@@ -304,16 +297,16 @@ def test_gumbel_noise_is_a_function_of_seed_and_position():
         assert not torch.equal(a, gumbel_noise(*other, 64)), other
 
 
-@pytest.mark.parametrize("seed, position", [(-1, 0), (2**64, 0), (0, -1)])
-def test_gumbel_noise_rejects_bad_arguments(seed, position):
+@pytest.mark.parametrize("seed, index", [(-1, 0), (2**64, 0), (0, -1)])
+def test_gumbel_noise_rejects_bad_arguments(seed, index):
     with pytest.raises(ValueError):
-        gumbel_noise(seed, position, 4)
+        gumbel_noise(seed, index, 4)
 
 
 def test_gumbel_noise_has_the_gumbel_law():
-    noise = torch.cat([gumbel_noise(3, position, 1000) for position in range(10)]).numpy()
+    noise = torch.cat([gumbel_noise(3, index, 1000) for index in range(10)]).numpy()
     assert stats.kstest(noise, stats.gumbel_r.cdf).pvalue > ALPHA
-    # positions are independent: neighbouring positions' noise is uncorrelated
+    # indices are independent: neighbouring indices' noise is uncorrelated
     assert abs(np.corrcoef(noise[:-1000], noise[1000:])[0, 1]) < 0.05
 
 
@@ -329,25 +322,25 @@ def test_sample_seeded_is_the_gumbel_argmax_and_never_draws_zero_probability():
 @pytest.mark.parametrize("case", ["siblings", "deep_chain", "zero_prob_drafts", "wide_covering_vocab"])
 def test_verify_seeded_equals_the_plain_seeded_loop(case):
     vocab, table, paths, _ = CASES[case]
-    target, tree, root_position = Target(vocab, table), tree_of(paths), 8  # root = 9th token of the sequence
+    target, tree, root_index = Target(vocab, table), tree_of(paths), 8  # root = 9th token of the sequence
     accepted = Counter()
     for seed in range(300):
-        verdict = verify_seeded(tree, lambda v, path: target(tuple(path)), seed, root_position)
+        verdict = verify_seeded(tree, lambda v, path: target(tuple(path)), seed, root_index)
         plain: list[int] = []
         for offset in range(len(verdict.tokens)):
-            plain.append(sample_seeded(target(tuple(plain)), seed, root_position + 1 + offset))
+            plain.append(sample_seeded(target(tuple(plain)), seed, root_index + 1 + offset))
         assert verdict.tokens == plain, seed
         assert tree.path_tokens(verdict.path[-1]) == verdict.tokens[:-1]
         accepted[verdict.n_accepted] += 1
     assert len(accepted) >= 2 and sum(count for n, count in accepted.items() if n > 0) > 30  # non-vacuous
 
 
-def test_verify_seeded_depends_on_seed_and_position():
+def test_verify_seeded_depends_on_seed_and_index():
     vocab, table, paths, _ = CASES["siblings"]
     target, tree = Target(vocab, table), tree_of(paths)
 
-    def run(seed, position):
-        return verify_seeded(tree, lambda v, path: target(tuple(path)), seed, position).tokens
+    def run(seed, index):
+        return verify_seeded(tree, lambda v, path: target(tuple(path)), seed, index).tokens
 
     assert [run(s, 4) for s in range(50)] == [run(s, 4) for s in range(50)]
     assert len({tuple(run(s, 4)) for s in range(50)}) > 5  # different seeds, different draws
@@ -362,12 +355,12 @@ def test_seeded_matches_target_distribution(case):
     assert p_joint > ALPHA, f"joint: chi-square p = {p_joint:.3g}"
 
 
-def test_negative_control_position_independent_noise_is_detected(monkeypatch):
+def test_negative_control_index_independent_noise_is_detected(monkeypatch):
     real = sampling.gumbel_noise
-    # WRONG: the same noise at every position correlates successive tokens.
-    monkeypatch.setattr(sampling, "gumbel_noise", lambda seed, position, vocab, device: real(seed, 0, vocab, device))
+    # WRONG: the same noise at every index correlates successive tokens.
+    monkeypatch.setattr(sampling, "gumbel_noise", lambda seed, index, vocab, device: real(seed, 0, vocab, device))
     counts, target = draw("siblings", seeded_step, n_draws=NEGATIVE_DRAWS)
     p_first, p_joint = p_values(counts, target)
-    print(f"position-independent noise: p_first = {p_first:.3g}, p_joint = {p_joint:.3g}")
+    print(f"index-independent noise: p_first = {p_first:.3g}, p_joint = {p_joint:.3g}")
     assert p_first > ALPHA  # each token alone is still a correct sample
     assert p_joint < NEGATIVE_P
