@@ -12,15 +12,12 @@ fill after it is not counted). Every lookahead output is compared with plain bat
 
 from __future__ import annotations
 
-import datetime
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from bench_generate import (RESULTS_DIR, command_line, common_parser, finish_args, machine_info, rotated,
-                            write_json)
+from harness import common_parser, default_out, finish_args, headed, machine_info, progress_bar, publish, rotated
 from prompts import encode
 
 METHODS = ("hf_greedy", "lookahead")
@@ -55,10 +52,7 @@ def run_batches(model, tokenizer, prompts, batch_sizes: list[int], repeats: int,
     pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, *sorted(eos)) if t is not None), 0)
     groups = [(size, encoded[i: i + size]) for size in batch_sizes for i in range(0, len(encoded), size)]
     decoder, runs = Lookahead(config), []
-    from tqdm import tqdm
-
-    bar = tqdm(total=(repeats * len(groups) + len(batch_sizes)) * len(METHODS), disable=not progress,
-               file=sys.stderr, unit="run")
+    bar = progress_bar((repeats * len(groups) + len(batch_sizes)) * len(METHODS), progress)
     for size in batch_sizes:  # warm-up per batch size (this also measures lookahead's cost curve for it)
         for method in METHODS:
             bar.set_postfix_str(f"warm-up batch {size} {method}")
@@ -155,13 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load_model(args.model)
     result = run_batches(model, tokenizer, args.prompts, args.batch_sizes, args.repeats, args.max_new_tokens,
                          args.lookahead_config)
-    result = {"command": command_line(), "model": args.model or "SmolLM2-135M-Instruct (embedded default)",
-              "machine": machine_info(args.threads), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              **result}
-    out = args.out or RESULTS_DIR / f"batch-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
-    write_json(result, out)
-    print(format_table(result))
-    print(f"results: {out}", file=sys.stderr)
+    result = headed(result, machine_info(args.threads),
+                    model=args.model or "SmolLM2-135M-Instruct (embedded default)")
+    publish(result, args.out or default_out("batch"), format_table(result))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ CPU there is no flash attention anyway. lade exposes its step count only as a DE
 counted by wrapping the model's `jforward_multilevel` (lade's only forward; HF greedy is counted with a forward
 pre-hook). Each run records seconds, new tokens, tokens/s, forwards (prefill included), tokens per step and
 whether its tokens equal HF greedy's on the same prompt and repetition. The summary is
-`bench_generate.summarize` (same definitions as the main suite: per category, sums over prompts of median
+`harness.summarize` (same definitions as the main suite: per category, sums over prompts of median
 times, speedup = ratio of those sums). With `--reference` (a main-suite JSON, by default
 benchmarks/results/smollm2-cpu.json when it exists) the table also shows lookahead's speedup from that file
 and checks that 4.34 greedy gives the same tokens as the main suite's 5.23 greedy (same model, same prompts).
@@ -45,21 +45,18 @@ environment). In the smoke run HF greedy under 4.34 gave the main suite's 5.23 g
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_generate import command_line, cpu_model, interleaved_runs, summarize, write_json
-from prompts import CATEGORIES, DEFAULT_CATEGORIES, DEFAULT_PROMPTS_DIR, Prompt, encode, load_prompts
+from harness import (REFERENCE, RESULTS_DIR, ForwardCounter, check_counts, close_load_average, common_parser,
+                     group_name, headed, interleaved_runs, machine_info, machine_line, markdown_table,
+                     progress_bar, prompt_records, publish, speedup_cell, summarize, timed_run)
+from prompts import Prompt, encode, load_prompts
 
-REFERENCE = "hf_greedy"
 DEFAULT_MODEL_DIR = Path(os.environ.get("LOOKAHEAD_CACHE", Path.home() / ".cache" / "lookahead")) / "smollm2-hf"
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_REFERENCE = RESULTS_DIR / "smollm2-cpu.json"
 MARKER = ".lade-compatible"
 
@@ -246,15 +243,12 @@ def switch_lade(config: LadeConfig | None) -> None:
         lade.config_lade(LEVEL=config.level, WINDOW_SIZE=config.window, GUESS_SET_SIZE=config.guess, DEBUG=0)
 
 
-class StepCounter:
+class StepCounter(ForwardCounter):
     """Counts target forwards while active: `model.forward` calls (HF greedy) and calls of lade's
     `model.jforward_multilevel` (lade never calls `forward`). A context manager."""
 
-    def __init__(self, model):
-        self.model, self.count, self._handle = model, 0, None
-
     def __enter__(self) -> "StepCounter":
-        self._handle = self.model.register_forward_pre_hook(self._hook)
+        super().__enter__()
         lade_forward = type(self.model).jforward_multilevel
 
         def counted(*args, **kwargs):
@@ -265,31 +259,17 @@ class StepCounter:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._handle.remove()
+        super().__exit__(*exc)
         del self.model.jforward_multilevel
 
-    def _hook(self, module, args) -> None:
-        self.count += 1
 
-
-def timed_run(model, input_ids, config: LadeConfig | None, max_new_tokens: int, counter: StepCounter) -> dict:
-    """Generate once greedily (lade with `config`, or plain HF when None) and measure it. Returns the
-    `bench_generate` run fields: `method`, `seconds`, `prompt_tokens`, `new_tokens`, `tokens_per_second`,
-    `forwards` (prefill included), `tokens_per_step` (after the first token and forward), `tokens`."""
-    import torch
-
+def lade_run(model, input_ids, config: LadeConfig | None, max_new_tokens: int, counter: StepCounter) -> dict:
+    """Generate once greedily (lade with `config`, or plain HF when None) and measure it: the fields of
+    `harness.timed_run` (`method`, `seconds`, `prompt_tokens`, `new_tokens`, `tokens_per_second`, `forwards`,
+    `tokens_per_step`, `tokens`)."""
     switch_lade(config)
-    counter.count = 0
-    start = time.perf_counter()
-    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                            do_sample=False)  # [1, L + new]
-    seconds = time.perf_counter() - start
-    tokens = output[0, input_ids.shape[1]:].tolist()
-    steps = counter.count - 1
-    return {"method": REFERENCE if config is None else config.method, "seconds": seconds,
-            "prompt_tokens": int(input_ids.shape[1]), "new_tokens": len(tokens),
-            "tokens_per_second": len(tokens) / seconds, "forwards": counter.count,
-            "tokens_per_step": (len(tokens) - 1) / steps if steps > 0 else 1.0, "tokens": tokens}
+    return timed_run(model, input_ids, REFERENCE if config is None else config.method, max_new_tokens, counter,
+                     do_sample=False)
 
 
 def run_suite(model, tokenizer, prompts: list[Prompt], configs: list[LadeConfig], repeats: int,
@@ -301,17 +281,15 @@ def run_suite(model, tokenizer, prompts: list[Prompt], configs: list[LadeConfig]
     bar = progress_bar(len(methods) * (1 + repeats * len(prompts)), progress)
     with StepCounter(model) as counter:
         for method, config in methods.items():  # warm-up, not recorded
-            timed_run(model, encoded[0], config, max_new_tokens, counter)
+            lade_run(model, encoded[0], config, max_new_tokens, counter)
             bar.update()
         runs = interleaved_runs(prompts, encoded, list(methods), repeats, bar,
-                                lambda input_ids, method, _prompt_id: timed_run(model, input_ids, methods[method],
-                                                                                max_new_tokens, counter))
+                                lambda input_ids, method, _prompt_id: lade_run(model, input_ids, methods[method],
+                                                                               max_new_tokens, counter))
     bar.close()
     return {"settings": {"methods": list(methods), "lade_configs": [vars(c) for c in configs],
                          "repeats": repeats, "max_new_tokens": max_new_tokens, "dtype": "float32"},
-            "prompts": [{"id": p.id, "category": p.category, "chat": p.chat, "prompt_tokens": int(ids.shape[1])}
-                        for p, ids in zip(prompts, encoded)],
-            "runs": runs, "summary": summarize(runs, list(methods))}
+            "prompts": prompt_records(prompts, encoded), "runs": runs, "summary": summarize(runs, list(methods))}
 
 
 def method_table(configs: list[LadeConfig]) -> dict[str, LadeConfig | None]:
@@ -320,36 +298,6 @@ def method_table(configs: list[LadeConfig]) -> dict[str, LadeConfig | None]:
     if len(methods) != len(configs) + 1:
         raise ValueError(f"lade configs must be distinct, got {[config.method for config in configs]}")
     return methods
-
-
-class _Counter:
-    """A minimal progress indicator on stderr for when tqdm is missing (same `update`/`close` calls)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.done, self.enabled = total, 0, enabled
-
-    def update(self) -> None:
-        """Count one finished run."""
-        self.done += 1
-        if self.enabled:
-            print(f"\r{self.done}/{self.total} runs", end="", file=sys.stderr, flush=True)
-
-    def set_postfix_str(self, text: str) -> None:
-        """Ignored (tqdm shows the current prompt and method here)."""
-
-    def close(self) -> None:
-        """End the progress line."""
-        if self.enabled:
-            print(file=sys.stderr)
-
-
-def progress_bar(total: int, enabled: bool):
-    """A tqdm bar on stderr if tqdm is installed, else a plain `done/total` counter (silent when disabled)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _Counter(total, enabled)
-    return tqdm(total=total, disable=not enabled, file=sys.stderr, unit="run", dynamic_ncols=True)
 
 
 # ---- the main suite's numbers beside lade's ----
@@ -373,7 +321,7 @@ def reference_check(result: dict, reference: dict) -> dict:
 def format_tables(result: dict) -> str:
     """Markdown: a line naming machine, versions and sizes, the command, the reference check, then one table
     per lade config with rows per category and **all**."""
-    lines = [_machine_line(result), "", f"Command: `{result['command']}`", ""]
+    lines = [machine_line(result, "lade"), "", f"Command: `{result['command']}`", ""]
     check = result.get("reference_check")
     if check:
         lines += [f"HF greedy 4.34 vs the main suite's HF greedy ({result['reference']}): "
@@ -385,36 +333,19 @@ def format_tables(result: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _machine_line(result: dict) -> str:
-    """One line naming the CPU, threads, library versions, model and run sizes."""
-    machine, settings = result["machine"], result["settings"]
-    return (f"CPU: {machine['cpu']} ({machine['cpu_count']} cores), {machine['threads']} threads, "
-            f"{settings['dtype']}; torch {machine['torch']}, transformers {machine['transformers']}, "
-            f"lade {machine['lade']}; model: {result['model']}; max {settings['max_new_tokens']} new tokens, "
-            f"repetitions: {settings['repeats']}; load average "
-            + " → ".join(f"{x:.1f}" for x in machine["load_average"]))
-
-
 def _method_table(result: dict, method: str) -> list[str]:
     """Rows of one lade config's table: greedy and lade tok/s, speedup, tok/step, identity, our speedup."""
     header = ["category", "prompts", "HF greedy 4.34 tok/s", f"{method} tok/s", "× greedy (median / min)",
               "tokens/step", "identical", "lookahead × greedy (main suite)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    rows = []
     for group, per_method in result["summary"].items():
         entry, greedy = per_method[method], per_method[REFERENCE]
-        cells = [group if group != "all" else "**all**", str(entry["prompts"]),
-                 f"{greedy['tokens_per_second']:.1f}", f"{entry['tokens_per_second']:.1f}", _speedup(entry),
-                 f"{entry['tokens_per_step']:.2f}",
-                 f"{entry['identical_runs']}/{entry['checked_runs']}" if entry["checked_runs"] else "–",
-                 _ours(result.get("reference_speedups"), group)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def _speedup(entry: dict) -> str:
-    """'0.71x / 0.75x' (median / min based) against HF greedy, or a dash."""
-    key = f"speedup_vs_{REFERENCE}"
-    return f"{entry[key]:.2f}x / {entry[key + '_min']:.2f}x" if key in entry else "–"
+        rows.append([group_name(group), str(entry["prompts"]), f"{greedy['tokens_per_second']:.1f}",
+                     f"{entry['tokens_per_second']:.1f}", speedup_cell(entry, REFERENCE),
+                     f"{entry['tokens_per_step']:.2f}",
+                     f"{entry['identical_runs']}/{entry['checked_runs']}" if entry["checked_runs"] else "–",
+                     _ours(result.get("reference_speedups"), group)])
+    return markdown_table(header, rows)
 
 
 def _ours(speedups: dict | None, group: str) -> str:
@@ -431,32 +362,13 @@ def reference_speedups(reference: dict) -> dict[str, float]:
             if key in per_method.get("lookahead", {})}
 
 
-def machine_info(threads: int) -> dict:
-    """CPU model, cores, threads, load average (a list; `main` appends the value at the end) and versions."""
-    from importlib.metadata import version  # lade has no __version__
-
-    import torch
-    import transformers
-
-    return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "threads": threads,
-            "load_average": [os.getloadavg()[0]], "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "lade": version("lade")}
-
-
 # ---- command line ----
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options (see the module docstring); errors exit through `parser.error` (one line)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common_parser(__doc__.splitlines()[0], prompts_per_category=3, repeats=2, model=False)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="HF folder (lade_setup.sh)")
-    parser.add_argument("--categories", nargs="+", default=list(DEFAULT_CATEGORIES), choices=list(CATEGORIES),
-                        metavar="CATEGORY", help=f"of {', '.join(CATEGORIES)}")
-    parser.add_argument("--prompts-per-category", type=int, default=3)
-    parser.add_argument("--prompts-dir", type=Path, default=DEFAULT_PROMPTS_DIR)
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.set_defaults(max_new_tokens=96)
     parser.add_argument("--level", type=int, default=None, help="lade LEVEL N, the n-gram size (default 5)")
     parser.add_argument("--window", type=int, default=None, help="lade WINDOW_SIZE W (default 7)")
     parser.add_argument("--guess", type=int, default=None, help="lade GUESS_SET_SIZE G (default 7)")
@@ -477,9 +389,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _finish_args(args: argparse.Namespace) -> None:
     """Check counts, build `args.lade_configs`, resolve `args.reference`, load `args.prompts`; raises
     `ValueError` naming the first bad option."""
-    for name in ("prompts_per_category", "max_new_tokens", "repeats", "threads"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    check_counts(args, ("prompts_per_category", "max_new_tokens", "repeats", "threads"))
     sizes = (args.level, args.window, args.guess)
     if args.lade_config and any(size is not None for size in sizes):
         raise ValueError("give either --level/--window/--guess or --lade-config, not both")
@@ -504,19 +414,16 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    machine = machine_info(args.threads)
+    machine = machine_info(args.threads, "lade")
     result = run_suite(model, tokenizer, args.prompts, args.lade_configs, args.repeats, args.max_new_tokens,
                        progress=not args.no_progress)
-    machine["load_average"].append(os.getloadavg()[0])
-    result = {"command": command_line(Path(sys.executable).name), "model": str(args.model), "machine": machine,
-              "date": datetime.datetime.now().isoformat(timespec="seconds"), **result}
+    close_load_average(machine)
+    result = headed(result, machine, interpreter=Path(sys.executable).name, model=str(args.model))
     if args.reference is not None:
         reference = json.loads(args.reference.read_text(encoding="utf-8"))
         result.update(reference=str(args.reference), reference_check=reference_check(result, reference),
                       reference_speedups=reference_speedups(reference))
-    write_json(result, args.out)
-    print(format_tables(result))
-    print(f"results: {args.out}", file=sys.stderr)
+    publish(result, args.out, format_tables(result))
 
 
 if __name__ == "__main__":

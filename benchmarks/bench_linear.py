@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench_generate import command_line, machine_info, write_json
-from bench_step import cpu_flags
+from harness import command_line, cpu_flags, machine_info, write_json
 
 CANDIDATES = ("default", "w_xt", "mkldnn", "mkldnn_fused", "mkl", "head_blocks", "inductor")
 NATIVE = {"bf16": ("avx512_bf16", "amx_bf16"), "int8": ("avx512_vnni", "avx_vnni", "amx_int8")}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench_generate import common_parser, finish_args, machine_info, write_json
+from harness import common_parser, finish_args, group_name, machine_info, markdown_table, progress_bar, write_json
 from prompts import encode
 
 DEFAULT_CATEGORIES = ("code", "summarization", "chat")  # copying-friendly, grounded, free text
@@ -82,14 +82,11 @@ def format_table(summary: dict) -> str:
     """Markdown table, one row per category plus "all"."""
     header = ["category", "steps", "rows/step", "tokens/step", "draft ms", "forward ms", "verify ms",
               "draft share", "draft+verify share", "greedy step ms", "step cost (× greedy)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
-    for group, s in summary.items():
-        cells = [group if group != "all" else "**all**", str(s["steps"]), f"{s['rows_per_step']:.1f}",
-                 f"{s['tokens_per_step']:.2f}", f"{s['draft_ms']:.2f}", f"{s['forward_ms']:.1f}",
-                 f"{s['verify_ms']:.2f}", f"{s['draft_share']:.2%}", f"{s['overhead_share']:.2%}",
-                 f"{s['greedy_step_ms']:.1f}", f"{s['step_cost']:.2f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    rows = [[group_name(group), str(s["steps"]), f"{s['rows_per_step']:.1f}", f"{s['tokens_per_step']:.2f}",
+             f"{s['draft_ms']:.2f}", f"{s['forward_ms']:.1f}", f"{s['verify_ms']:.2f}", f"{s['draft_share']:.2%}",
+             f"{s['overhead_share']:.2%}", f"{s['greedy_step_ms']:.1f}", f"{s['step_cost']:.2f}"]
+            for group, s in summary.items()]
+    return "\n".join(markdown_table(header, rows)) + "\n"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -106,8 +103,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Measure, print the markdown table, optionally write JSON."""
     args = parse_args(argv)
-    from tqdm import tqdm
-
     from lookahead import Lookahead, load_model
 
     torch.set_num_threads(args.threads)
@@ -115,11 +110,14 @@ def main(argv: list[str] | None = None) -> None:
     decoder = Lookahead(args.lookahead_config)
     encoded = [encode(tokenizer, prompt) for prompt in args.prompts]
     measure_prompt(model, encoded[0], decoder, args.max_new_tokens)  # warm-up (numba JIT, caches)
-    measurements = []
-    for _ in tqdm(range(args.repeats), desc="repeats", file=sys.stderr, disable=args.repeats == 1):
-        for prompt, input_ids in tqdm(list(zip(args.prompts, encoded)), desc="prompts", file=sys.stderr):
+    measurements, bar = [], progress_bar(args.repeats * len(encoded))
+    for _ in range(args.repeats):
+        for prompt, input_ids in zip(args.prompts, encoded):
+            bar.set_postfix_str(prompt.id)
             measured = measure_prompt(model, input_ids, decoder, args.max_new_tokens)
             measurements.append({"prompt_id": prompt.id, "category": prompt.category, **measured})
+            bar.update()
+    bar.close()
     groups = list(dict.fromkeys(m["category"] for m in measurements))
     summary = {g: summarize([m for m in measurements if m["category"] == g]) for g in groups}
     summary["all"] = summarize(measurements)

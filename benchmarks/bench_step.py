@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from bench_generate import command_line, machine_info, write_json
+from harness import command_line, cpu_flags, machine_info, write_json
 
 LINEAR_KINDS = {"q_proj": "attn q/k/v", "k_proj": "attn q/k/v", "v_proj": "attn q/k/v", "qkv_proj": "attn q/k/v",
                 "o_proj": "attn o", "gate_proj": "mlp gate/up", "up_proj": "mlp gate/up",
@@ -191,20 +190,6 @@ class PartTimer:
         for handle in self.handles:
             handle.remove()
         self.cache.update = self.update
-
-
-def cpu_flags() -> list[str]:
-    """The CPU's vector-instruction flags that matter for these kernels (avx*, fma, amx*, *vnni*, *bf16*)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")) or "vnni" in f
-                                  or "bf16" in f)
-    except OSError:
-        pass
-    return []
 
 
 def format_table(result: dict) -> str:

@@ -8,9 +8,8 @@ import click
 import torch
 
 from lookahead.config import LookaheadConfig
-from lookahead.draft_model import check_draft_model, check_same_tokenizer, early_exit_draft
 from lookahead.hf import Lookahead
-from lookahead.models import ModelLoadError, load_model
+from lookahead.models import ModelLoadError, load_draft, load_model
 
 
 def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: int, config: LookaheadConfig,
@@ -42,17 +41,12 @@ def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: 
 
 
 def _load_draft(model, tokenizer, draft: tuple | None):
-    """The draft model of `draft` (None, ("model", path) or ("layers", n)); raises `ValueError` for a draft
-    whose tokenizer differs from the target's."""
+    """The draft model of `draft` (None, ("model", path) or ("layers", n)); see `models.load_draft`."""
     if draft is None:
         return None
     kind, value = draft
-    if kind == "layers":
-        return early_exit_draft(model, value)
-    draft_model, draft_tokenizer = load_model(value)
-    check_same_tokenizer(tokenizer, draft_tokenizer)
-    check_draft_model(model, draft_model)
-    return draft_model
+    return load_draft(model, tokenizer, path=value if kind == "model" else None,
+                      layers=value if kind == "layers" else None)
 
 
 def _encode(tokenizer, text: str, chat: bool) -> torch.Tensor:

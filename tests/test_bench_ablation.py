@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_generate  # noqa: E402  (the benchmarks folder is not a package)
+import harness  # noqa: E402
 from prompts import Prompt  # noqa: E402
 from tiny_models import word_tokenizer  # noqa: E402
 
@@ -31,7 +32,7 @@ def result(tiny_model):
     model = tiny_model("llama", dtype=torch.float64, seed=0)
     out = bench_generate.run_suite(model, word_tokenizer(), PROMPTS, METHODS, 1, 8, LookaheadConfig(tree_budget=8),
                                    progress=False)
-    out.update(machine=bench_generate.machine_info(threads=1), model="tiny llama", command="python bench")
+    out.update(machine=harness.machine_info(threads=1), model="tiny llama", command="python bench")
     return out
 
 

@@ -18,7 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_lade  # noqa: E402  (the benchmarks folder is not a package)
-from bench_generate import mark_identity, summarize  # noqa: E402
+import harness  # noqa: E402
+from harness import mark_identity, summarize  # noqa: E402
 from bench_lade import LadeConfig, parse_lade_config  # noqa: E402
 from prompts import Prompt  # noqa: E402
 from tiny_models import word_tokenizer  # noqa: E402
@@ -258,12 +259,12 @@ def test_step_counter_counts_both_forwards_and_restores():
 
 
 def test_progress_counter(capsys):
-    counter = bench_lade._Counter(3, enabled=True)
+    counter = harness.PlainProgress(3, enabled=True)
     counter.update()
     counter.update()
     counter.close()
     assert capsys.readouterr().err == "\r1/3 runs\r2/3 runs\n"
-    silent = bench_lade._Counter(3, enabled=False)
+    silent = harness.PlainProgress(3, enabled=False)
     silent.update()
     assert capsys.readouterr().err == ""
 

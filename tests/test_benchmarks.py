@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_generate  # noqa: E402  (the benchmarks folder is not a package)
+import harness  # noqa: E402
 from prompts import Prompt, encode, load_prompts  # noqa: E402
 from tiny_models import word_tokenizer  # noqa: E402
 
@@ -33,7 +34,7 @@ def result(tiny_model):
     config = LookaheadConfig(window_levels=2, window_columns=3, tree_budget=8)
     out = bench_generate.run_suite(model, word_tokenizer(), PROMPTS, METHODS, REPEATS, 8, config,
                                    prompt_lookup_tokens=4, progress=False)
-    out.update(machine=bench_generate.machine_info(threads=1), model="tiny llama", command="python bench")
+    out.update(machine=harness.machine_info(threads=1), model="tiny llama", command="python bench")
     return out
 
 
@@ -122,7 +123,7 @@ def test_load_prompts_round_robin_and_errors(tmp_path):
     (["pool_from_text=false", "tree_budget = 32"], {"pool_from_text": False, "tree_budget": 32}),
 ])
 def test_parse_overrides(pairs, expected):
-    assert bench_generate.parse_overrides(pairs) == expected
+    assert harness.parse_overrides(pairs) == expected
 
 
 @pytest.mark.parametrize(("pairs", "message"), [
@@ -133,7 +134,7 @@ def test_parse_overrides(pairs, expected):
 ])
 def test_parse_overrides_errors(pairs, message):
     with pytest.raises(ValueError, match=message):
-        bench_generate.parse_overrides(pairs)
+        harness.parse_overrides(pairs)
 
 
 def test_suite_rejects_assisted_without_a_draft_model():
