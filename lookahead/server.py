@@ -1,10 +1,10 @@
 """`lookahead serve`: an OpenAI-compatible completion server (Starlette + uvicorn) for code-completion clients.
 
-Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (chat template applied), `GET /v1/models`,
-`GET /health`. `temperature` defaults to 0 (greedy: every response is token-identical to
-`lookahead generate --mode off` for the same prompt); `temperature > 0` samples exactly from the model's
-distribution, and with `seed` the same request gives the same tokens. Responses carry the speculation stats in an extra
-`lookahead` field (tokens per step, ...).
+Endpoints: `POST /v1/completions` (`suffix`: fill-in-the-middle; `n` samples),
+`POST /v1/chat/completions` (chat template applied), `GET /v1/models`, `GET /health`. `temperature` defaults to
+0 (greedy: every response is token-identical to `lookahead generate --mode off` for the same prompt);
+`temperature > 0` samples exactly from the model's distribution, and with `seed` the same request gives the same
+tokens. Responses carry the speculation stats in an extra `lookahead` field (tokens per step, ...).
 
 This module is the HTTP side: settings, the endpoints, and the mapping of the engine's errors to status codes.
 Generations run in `server_engine` (queue, worker thread, cancellation); requests are validated and responses
@@ -30,11 +30,11 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from .config import LookaheadConfig
-from .server_engine import (Completion, Delta, Engine, EngineBusy, EngineClosed, EngineError, JobStream,
-                            NoChatTemplate)
+from .server_engine import (Completion, Delta, Engine, EngineBusy, EngineClosed, EngineError, JobSpec, JobStream,
+                            NoChatTemplate, NoFimTokens)
 from .server_guard import LOOPBACK_HOSTS, RequestGuard, check_origin
-from .server_schema import (APIError, ChatRequest, CompletionRequest, ResponseShape, parse_body, sampling, sse,
-                            stop_strings)
+from .server_response import ResponseShape, speculation_stats, sse
+from .server_schema import APIError, ChatRequest, CompletionRequest, choices, parse_body, sampling, stop_strings
 from .suffix_cache import SuffixCache
 
 log = logging.getLogger("lookahead.server")
@@ -149,7 +149,8 @@ class _Handlers:
         cache = self.engine.cache.info() if self.engine.cache is not None else None
         last = self.engine.last_completion
         latest = None if last is None else {"finish_reason": last.finish_reason, "prompt_tokens": last.prompt_tokens,
-                                            "completion_tokens": last.completion_tokens, "lookahead": last.stats}
+                                            "completion_tokens": last.completion_tokens,
+                                            "lookahead": speculation_stats([last.stats])}
         return JSONResponse({"status": "ok", "model": self.settings.model_name, "queued": self.engine.queued,
                              "suffix_cache": cache, "latest": latest})
 
@@ -159,10 +160,10 @@ class _Handlers:
             {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "lookahead"}]})
 
     async def completions(self, request: Request):
-        """`POST /v1/completions`."""
+        """`POST /v1/completions` (with `suffix`: fill-in-the-middle)."""
         body = parse_body(await request.body(), CompletionRequest)
         self._check_model(body.model)
-        ids = self._prompt_ids(body.prompt)
+        ids = self._prompt_ids(body.prompt, body.suffix)
         return await self._respond(request, body, ids, body.max_tokens, chat=False, prompt_field="prompt")
 
     async def chat(self, request: Request):
@@ -180,15 +181,15 @@ class _Handlers:
                                 f"{self.settings.model_name!r} (see /v1/models)", param="model",
                            code="model_not_found")
 
-    def _prompt_ids(self, prompt: str | list) -> list[int]:
-        """Token ids of a completion prompt (a string, a list of one string, or token ids)."""
-        if isinstance(prompt, str):
-            ids = self.engine.encode(prompt)
-        elif prompt and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
+    def _prompt_ids(self, prompt: str | list, suffix: str | None) -> list[int]:
+        """Token ids of a completion prompt (a string, a list of one string, or token ids); with a `suffix`
+        (text prompts only, see `server_schema`), of the fill-in-the-middle prompt between them."""
+        if isinstance(prompt, str) or (prompt and all(isinstance(p, str) for p in prompt)):
+            if not isinstance(prompt, str) and len(prompt) != 1:
                 raise APIError(400, f"prompt: batches are not supported (got {len(prompt)} prompts); send one",
                                param="prompt")
-            ids = self.engine.encode(prompt[0])
+            text = prompt if isinstance(prompt, str) else prompt[0]
+            ids = self.engine.encode(self.engine.fim_text(text, suffix) if suffix else text)
         else:
             vocab = self.engine.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
@@ -215,18 +216,22 @@ class _Handlers:
 
     async def _respond(self, request: Request, body, ids: list[int], requested: int | None, chat: bool,
                        prompt_field: str):
+        """Queue the request's job and answer with its choices, whole or streamed."""
         params = sampling(body)
-        budget = self._budget(len(ids), requested, chat, prompt_field)
-        stream = self.engine.start(ids, budget, stop_strings(body), params)
-        shape = ResponseShape(chat, self.settings.model_name)
+        n = choices(body)
+        copies = 1 if params.temperature > 0 else n  # greedy choices are identical: generate once, answer n times
+        spec = JobSpec(ids, self._budget(len(ids), requested, chat, prompt_field), stop_strings(body), params,
+                       samples=n // copies)
+        stream = self.engine.start(spec)
+        shape = ResponseShape(chat, self.settings.model_name, copies)
         if body.stream:
             return StreamingResponse(_sse_events(stream, shape, self.engine), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
                                      background=BackgroundTask(stream.cancel))
-        completion = await _collect(stream, request)
-        if completion.finish_reason == "cancelled":  # by shutdown (a client that left gets no answer anyway)
+        completions = await _collect(stream, request)
+        if any(c.finish_reason == "cancelled" for c in completions):  # by shutdown (a client that left gets none)
             raise api_error(EngineClosed())
-        return JSONResponse(shape.whole(completion))
+        return JSONResponse(shape.whole(completions))
 
 
 def api_error(exc: EngineError) -> APIError:
@@ -238,11 +243,13 @@ def api_error(exc: EngineError) -> APIError:
         return APIError(503, str(exc), type="server_error", code="server_shutting_down", headers=RETRY_AFTER)
     if isinstance(exc, NoChatTemplate):
         return APIError(400, str(exc), param="messages")
+    if isinstance(exc, NoFimTokens):
+        return APIError(400, str(exc), param="suffix")
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
 
 
-async def _collect(stream: JobStream, request: Request) -> Completion:
-    """Wait for the job's completion, cancelling it if the client disconnects (or this task is cancelled)."""
+async def _collect(stream: JobStream, request: Request) -> list[Completion]:
+    """Wait for the job's completions, cancelling it if the client disconnects (or this task is cancelled)."""
     async def watch_disconnect():
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -250,30 +257,37 @@ async def _collect(stream: JobStream, request: Request) -> Completion:
 
     watcher = asyncio.create_task(watch_disconnect())
     try:
-        return await stream.completion()
+        return await stream.completions()
     finally:
         watcher.cancel()
         stream.cancel()  # no-op once done
 
 
 async def _sse_events(stream: JobStream, shape: ResponseShape, engine: Engine):
-    """Server-sent events of one streamed response: chunks as tokens commit, the final chunk, `[DONE]`; a
-    generation cancelled by shutdown ends with an in-band error instead (the status line is already sent)."""
-    sent = ""
+    """Server-sent events of one streamed response: chunks as tokens commit, each choice's final chunk (the last
+    one with usage), `[DONE]`; a generation cancelled by shutdown ends with an in-band error instead (the status
+    line is already sent)."""
+    sent: dict[int, str] = {}  # streamed text per engine sample
+    finished: list[Completion] = []
     try:
         if shape.chat:
             yield sse(shape.chunk("", first=True))
         async for event in stream.events():
             if isinstance(event, Delta):
-                sent += event.text
-                yield sse(shape.chunk(event.text))
+                sent[event.index] = sent.get(event.index, "") + event.text
+                for index in shape.choices_of(event.index):
+                    yield sse(shape.chunk(event.text, index))
             elif event.completion.finish_reason == "cancelled" and engine.closing:
                 yield sse(api_error(EngineClosed()).body())
                 return
             else:
-                done = event.completion
-                rest = done.text[len(sent):] if done.text.startswith(sent) else ""
-                yield sse(shape.last_chunk(done, rest))
+                done, streamed = event.completion, sent.get(event.index, "")
+                finished.append(done)
+                rest = done.text[len(streamed):] if done.text.startswith(streamed) else ""
+                indices = shape.choices_of(event.index)
+                for index in indices:
+                    last = len(finished) == stream.samples and index == indices[-1]
+                    yield sse(shape.last_chunk(done, rest, index, finished if last else None))
         yield sse("[DONE]")
     except Exception as exc:  # the status line is already sent: report in-band, as OpenAI does
         log.exception("streamed generation failed")

@@ -25,6 +25,7 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from .config import LookaheadConfig
+from .fim import describe_styles, fim_tokens
 from .hf import Lookahead
 from .recycle import RecycleTable
 from .server_text import StopText, TextStreamer, first_stop
@@ -32,6 +33,8 @@ from .stats import DecodeStats
 from .suffix_cache import SuffixCache
 
 log = logging.getLogger("lookahead.server")
+
+MAX_SEED = 2**63 - 1  # `LookaheadConfig.seed`'s range
 
 
 class EngineError(Exception):
@@ -60,6 +63,14 @@ class NoChatTemplate(EngineError):
         super().__init__("this model's tokenizer has no chat template; use /v1/completions")
 
 
+class NoFimTokens(EngineError):
+    """The tokenizer has no fill-in-the-middle tokens, so a suffix cannot go into the prompt."""
+
+    def __init__(self):
+        super().__init__(f"suffix: this model's tokenizer has no fill-in-the-middle tokens ({describe_styles()}); "
+                         "omit suffix")
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How to pick tokens: `temperature` 0 is greedy; `top_p` and `seed` only matter when sampling."""
@@ -74,27 +85,30 @@ class Completion:
     """A finished generation: the completion text (stop string trimmed) and how it ended.
 
     finish_reason: "stop" (EOS or stop string), "length" (max_tokens or the context), or "cancelled" (the
-    client went away or the engine closed; never sent). stats: see `speculation_stats`.
+    client went away or the engine closed; never sent). stats: what the decoder did (empty when cancelled
+    before it started).
     """
 
     text: str
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
-    stats: dict
+    stats: DecodeStats
 
 
 @dataclass(frozen=True)
 class Delta:
-    """Event: the next piece of a job's completion text (never retracted)."""
+    """Event: the next piece of sample `index`'s completion text (never retracted)."""
 
+    index: int
     text: str
 
 
 @dataclass(frozen=True)
 class Finished:
-    """Event: the job's `Completion` (always the last event of a job that did not fail)."""
+    """Event: sample `index`'s `Completion` (the samples of a job finish in index order)."""
 
+    index: int
     completion: Completion
 
 
@@ -107,13 +121,6 @@ def sampling_kwargs(params: Sampling) -> dict:
     return {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
 
 
-def speculation_stats(stats: DecodeStats) -> dict:
-    """The `lookahead` extra field of a response from a `DecodeStats`: tokens per step and friends."""
-    return {"tokens_per_step": round(stats.mean_tokens_per_step, 4), "steps": stats.steps,
-            "new_tokens": stats.new_tokens, "tokens_per_second": round(stats.tokens_per_second, 2),
-            "accepted_by_drafter": dict(stats.accepted_by_drafter)}
-
-
 class _Cancelled(StoppingCriteria):
     """Stops the generation once `event` is set (the client went away, or the engine is closing)."""
 
@@ -124,14 +131,24 @@ class _Cancelled(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool)
 
 
-@dataclass(eq=False)  # identity semantics: jobs live in a set
-class _Job:
-    """One generation: prompt ids [1, L], the token budget, stop strings, sampling, cancel flag, event sink."""
+@dataclass(frozen=True)
+class JobSpec:
+    """What one request asks the engine for: `samples` completions of prompt `input_ids`, each at most
+    `max_new_tokens` long and ended by any of `stops`."""
 
-    input_ids: torch.Tensor
+    input_ids: list[int]
     max_new_tokens: int
     stops: tuple[str, ...]
     sampling: Sampling
+    samples: int = 1
+
+
+@dataclass(eq=False)  # identity semantics: jobs live in a set
+class _Job:
+    """One queued `JobSpec`: its prompt as a tensor [1, L], the cancel flag and the event sink."""
+
+    spec: JobSpec
+    input_ids: torch.Tensor
     cancel: threading.Event
     emit: Callable[[Delta | Finished | Exception], None]  # thread-safe, delivers to the request's coroutine
 
@@ -139,10 +156,11 @@ class _Job:
 class JobStream:
     """The asynchronous side of one job: iterate `events()`, call `cancel()` when the client is gone."""
 
-    def __init__(self, cancel: threading.Event):
+    def __init__(self, cancel: threading.Event, samples: int):
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._cancel = cancel
+        self.samples = samples
 
     def emit(self, event: Delta | Finished | Exception) -> None:
         """Deliver an event (or the worker's failure) from the worker thread (dropped if the event loop is
@@ -151,21 +169,18 @@ class JobStream:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
     async def events(self) -> AsyncIterator[Delta | Finished]:
-        """Yield `Delta`s, then one `Finished`; re-raise a worker failure."""
-        while True:
+        """Yield each sample's `Delta`s and its `Finished`, sample after sample; re-raise a worker failure."""
+        finished = 0
+        while finished < self.samples:
             event = await self._queue.get()
             if isinstance(event, Exception):
                 raise event
+            finished += isinstance(event, Finished)
             yield event
-            if isinstance(event, Finished):
-                return
 
-    async def completion(self) -> Completion:
-        """Wait for the job's `Completion` (deltas are skipped); re-raise a worker failure."""
-        async for event in self.events():
-            if isinstance(event, Finished):
-                return event.completion
-        raise RuntimeError("generation ended without a result")  # events() always ends with Finished or raises
+    async def completions(self) -> list[Completion]:
+        """Wait for every sample's `Completion`, in index order (deltas are skipped); re-raise a worker failure."""
+        return [event.completion async for event in self.events() if isinstance(event, Finished)]
 
     def cancel(self) -> None:
         """Ask the worker to stop this job (no-op once it is done)."""
@@ -181,6 +196,7 @@ class Engine:
         # Token recycling learns the model's own next-token predictions: kept across requests, like the cache.
         self.recycle_table = RecycleTable(config.recycle_k) if config.recycle_nodes else None
         self.max_queue = max_queue
+        self.fim = fim_tokens(tokenizer)
         eos = model.generation_config.eos_token_id
         self.eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         self._tokenizer_lock = threading.Lock()
@@ -202,6 +218,13 @@ class Engine:
         with self._tokenizer_lock:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    def fim_text(self, prefix: str, suffix: str) -> str:
+        """The fill-in-the-middle prompt for the text between `prefix` and `suffix`; `NoFimTokens` when the
+        tokenizer has no FIM tokens."""
+        if self.fim is None:
+            raise NoFimTokens()
+        return self.fim.prompt(prefix, suffix)
+
     def decode(self, ids: list[int]) -> str:
         """Text of completion token ids, special tokens (EOS) left out."""
         with self._tokenizer_lock:
@@ -217,16 +240,15 @@ class Engine:
         """Jobs submitted and not finished (the running one included)."""
         return len(self._jobs)
 
-    def start(self, input_ids: list[int], max_new_tokens: int, stops: tuple[str, ...],
-              params: Sampling) -> JobStream:
-        """Queue a generation; returns its `JobStream` (call from the event loop).
+    def start(self, spec: JobSpec) -> JobStream:
+        """Queue a job; returns its `JobStream` (call from the event loop).
 
         Raises `EngineBusy` when `max_queue` jobs are already waiting behind the running one, `EngineClosed`
         when the engine is shutting down.
         """
         cancel = threading.Event()
-        stream = JobStream(cancel)
-        job = _Job(torch.tensor([input_ids], dtype=torch.long), max_new_tokens, stops, params, cancel, stream.emit)
+        stream = JobStream(cancel, spec.samples)
+        job = _Job(spec, torch.tensor([spec.input_ids], dtype=torch.long), cancel, stream.emit)
         with self._lock:
             if self._closing:
                 raise EngineClosed()
@@ -254,13 +276,9 @@ class Engine:
         self._executor.shutdown(wait=True)
 
     def _run(self, job: _Job) -> None:
-        """Worker: generate (unless cancelled meanwhile) and report `Finished` or the failure to the job's stream."""
+        """Worker: run the job, or report its failure to its stream."""
         try:
-            prompt_len = job.input_ids.shape[1]
-            completion = Completion("", "cancelled", prompt_len, 0, {}) if job.cancel.is_set() \
-                else self._generate(job)
-            self.last_completion = completion
-            job.emit(Finished(completion))
+            self._generate(job)
         except Exception as exc:  # reported to its client; the worker keeps serving the others
             log.exception("generation failed")
             job.emit(exc)
@@ -268,29 +286,45 @@ class Engine:
             with self._lock:
                 self._jobs.discard(job)
 
-    def _generate(self, job: _Job) -> Completion:
-        """Run `model.generate` with lookahead for one job; feed the suffix cache; return the `Completion`."""
-        prompt_len = job.input_ids.shape[1]
+    def _generate(self, job: _Job) -> None:
+        """Generate the job's samples one after another, each streamed and then reported as `Finished`; once
+        the job is cancelled, the remaining samples finish at once as "cancelled"."""
+        for index in range(job.spec.samples):
+            if job.cancel.is_set():
+                completion = Completion("", "cancelled", len(job.spec.input_ids), 0, DecodeStats())
+            else:
+                completion = self._sample(job, index)
+            self.last_completion = completion
+            job.emit(Finished(index, completion))
+
+    def _sample(self, job: _Job, index: int) -> Completion:
+        """Run `model.generate` with lookahead for sample `index` of a job; feed the suffix cache; return the
+        `Completion`. With a seed, sample i is drawn with seed + i (so it is what a one-sample request with that
+        seed gets)."""
+        spec, prompt_len = job.spec, job.input_ids.shape[1]
         criteria = StoppingCriteriaList([_Cancelled(job.cancel)])
-        if job.stops:
-            criteria.append(StopText(self.decode, job.stops, prompt_len))
-        config = self.config if job.sampling.seed is None else self.config.with_overrides(seed=job.sampling.seed)
+        if spec.stops:
+            criteria.append(StopText(self.decode, spec.stops, prompt_len))
+        seed = spec.sampling.seed
+        if seed is not None:
+            seed = (seed + index) % (MAX_SEED + 1)
+        config = self.config if seed is None else self.config.with_overrides(seed=seed)
         decoder = Lookahead(config, shared_drafter=self.cache, recycle_table=self.recycle_table)
-        streamer = TextStreamer(self.decode, job.stops, lambda text: job.emit(Delta(text)))
+        streamer = TextStreamer(self.decode, spec.stops, lambda text: job.emit(Delta(index, text)))
         output = self.model.generate(
-            job.input_ids, attention_mask=torch.ones_like(job.input_ids), max_new_tokens=job.max_new_tokens,
+            job.input_ids, attention_mask=torch.ones_like(job.input_ids), max_new_tokens=spec.max_new_tokens,
             stopping_criteria=criteria, custom_generate=decoder, lookahead_streamer=streamer,
-            **sampling_kwargs(job.sampling))
+            **sampling_kwargs(spec.sampling))
         new = output[0, prompt_len:].tolist()
         if self.cache is not None:
             self.cache.add(output[0].cpu().numpy())
         text = self.decode(new)
-        cut = first_stop(text, job.stops)
+        cut = first_stop(text, spec.stops)
+        text = text if cut is None else text[:cut]
         if job.cancel.is_set():
             reason = "cancelled"
-        elif cut is not None or (new and new[-1] in self.eos_ids) or len(new) < job.max_new_tokens:
+        elif cut is not None or (new and new[-1] in self.eos_ids) or len(new) < spec.max_new_tokens:
             reason = "stop"
         else:
             reason = "length"
-        return Completion(text if cut is None else text[:cut], reason, prompt_len, len(new),
-                          speculation_stats(decoder.last_stats))
+        return Completion(text, reason, prompt_len, len(new), decoder.last_stats)

@@ -1,8 +1,8 @@
-"""Request validation and response shapes of the OpenAI-compatible server (`lookahead.server`).
+"""Request validation of the OpenAI-compatible server (`lookahead.server`).
 
 Requests are parsed strictly (no string-to-number coercion); unknown fields are ignored so that newer clients
-keep working, but known OpenAI fields lookahead cannot honour (n > 1, logprobs, echo, penalties, ...) are
-rejected with a 400 naming the field, never silently dropped. Bodies that are JSON but not text (a lone
+keep working, but known OpenAI fields lookahead cannot honour (echo, logprobs, penalties, logit_bias, tools,
+...) are rejected with a 400 naming the field, never silently dropped. Bodies that are JSON but not text (a lone
 surrogate such as `"\ud800"`), nest deeper than `MAX_DEPTH`, or hold numbers Python will not parse (NaN,
 Infinity, integers over 4300 digits) are 400s as well. Every error is an `APIError`, rendered as OpenAI's
 `{"error": {"message", "type", "param", "code"}}`.
@@ -11,18 +11,16 @@ Infinity, integers over 4300 digits) are 400s as well. Every error is an `APIErr
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .sampling import MIN_TEMPERATURE
-from .server_engine import Completion, Sampling
+from .server_engine import MAX_SEED, Sampling
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # `n` on /v1/completions (OpenAI allows 128; every sample is a whole generation here)
 MAX_DEPTH = 32  # nesting of a request body; OpenAI bodies nest 4 deep (messages[0].content[0].text)
-MAX_SEED = 2**63 - 1  # `LookaheadConfig.seed`'s range
 
 
 class APIError(Exception):
@@ -202,16 +200,16 @@ def _check_common(request: _Request) -> None:
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise APIError(400, f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
     unsupported = {
-        "n": request.n not in (None, 1),
         "presence_penalty": request.presence_penalty not in (None, 0),
         "frequency_penalty": request.frequency_penalty not in (None, 0),
         "logit_bias": bool(request.logit_bias),
     }
     if isinstance(request, CompletionRequest):
-        unsupported |= {"echo": bool(request.echo), "logprobs": request.logprobs is not None,
-                        "suffix": bool(request.suffix), "best_of": request.best_of not in (None, 1)}
+        _check_completion(request)
+        unsupported |= {"echo": bool(request.echo), "logprobs": request.logprobs is not None}
     else:
-        unsupported |= {"logprobs": bool(request.logprobs), "top_logprobs": request.top_logprobs is not None,
+        unsupported |= {"n": request.n not in (None, 1), "logprobs": bool(request.logprobs),
+                        "top_logprobs": request.top_logprobs is not None,
                         "tools": bool(request.tools), "response_format": request.response_format is not None}
         if request.max_completion_tokens is not None and request.max_completion_tokens < 1:
             raise APIError(400, f"max_completion_tokens must be >= 1, got {request.max_completion_tokens}",
@@ -220,6 +218,28 @@ def _check_common(request: _Request) -> None:
         if bad:
             raise APIError(400, f"{name}={getattr(request, name)!r} is not supported by lookahead serve; "
                                 f"omit it or send its default", param=name)
+
+
+def _check_completion(request: CompletionRequest) -> None:
+    """The `/v1/completions` fields beyond the common ones: n, best_of, suffix."""
+    n = choices(request)
+    if not 1 <= n <= MAX_CHOICES:
+        raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {n}", param="n")
+    if request.best_of not in (None, n):
+        raise APIError(400, f"best_of={request.best_of!r} is not supported by lookahead serve: every sample is "
+                            f"returned, so best_of must equal n ({n}) or be omitted", param="best_of")
+    if request.suffix and not _is_text_prompt(request.prompt):
+        raise APIError(400, "suffix needs a text prompt (the prefix), got token ids", param="suffix")
+
+
+def _is_text_prompt(prompt: str | list) -> bool:
+    """Whether a completion prompt is text (a string or a list of strings) rather than token ids."""
+    return isinstance(prompt, str) or all(isinstance(p, str) for p in prompt)
+
+
+def choices(request: _Request) -> int:
+    """How many choices the request asks for (`n`, 1 when omitted)."""
+    return 1 if request.n is None else request.n
 
 
 def stop_strings(request: _Request) -> tuple[str, ...]:
@@ -234,53 +254,3 @@ def sampling(request: _Request) -> Sampling:
     temperature = 0.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     return Sampling(temperature=temperature, top_p=top_p, seed=request.seed)
-
-
-class ResponseShape:
-    """Builds the JSON objects of one response (completion or chat, whole or streamed chunks)."""
-
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str, choice: dict) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
-
-    def whole(self, completion: Completion) -> dict:
-        """The non-streaming response for `completion`, with usage and the `lookahead` stats."""
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
-                      "logprobs": None, "finish_reason": completion.finish_reason}
-            body = self._envelope("chat.completion", choice)
-        else:
-            choice = {"index": 0, "text": completion.text, "logprobs": None,
-                      "finish_reason": completion.finish_reason}
-            body = self._envelope("text_completion", choice)
-        return body | {"usage": usage(completion), "lookahead": completion.stats}
-
-    def chunk(self, text: str, first: bool = False) -> dict:
-        """A streamed chunk carrying `text` (the chat's first chunk also carries the assistant role)."""
-        if self.chat:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return self._envelope("chat.completion.chunk",
-                                  {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
-        return self._envelope("text_completion", {"index": 0, "text": text, "logprobs": None, "finish_reason": None})
-
-    def last_chunk(self, completion: Completion, text: str) -> dict:
-        """The final streamed chunk: the remaining `text`, `finish_reason`, usage and the `lookahead` stats."""
-        body = self.chunk(text)
-        body["choices"][0]["finish_reason"] = completion.finish_reason
-        return body | {"usage": usage(completion), "lookahead": completion.stats}
-
-
-def usage(completion: Completion) -> dict:
-    """OpenAI's usage object: prompt, completion and total tokens."""
-    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
-            "total_tokens": completion.prompt_tokens + completion.completion_tokens}
-
-
-def sse(obj: dict | str) -> bytes:
-    """One server-sent event: `data: <json>` (or a literal such as `[DONE]`) and a blank line."""
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {data}\n\n".encode()

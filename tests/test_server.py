@@ -204,6 +204,44 @@ def test_stop_strings_end_the_completion_like_openai(client, tiny, tokenizer):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+# -- several samples, fill-in-the-middle --------------------------------------------------------
+
+def test_seeded_samples_are_the_one_sample_requests_with_seed_plus_index(client):
+    def ask(**kwargs):
+        return client.completions.create(model=NAME, prompt=PROMPTS[5], max_tokens=12, temperature=0.9, **kwargs)
+    many = ask(n=3, seed=7)
+    singles = [ask(seed=7 + i).choices[0].text for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == singles and len(set(singles)) > 1
+    assert many.usage.completion_tokens == 36 and many.model_extra["lookahead"]["new_tokens"] == 36
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[5], max_tokens=12, temperature=0.9, n=3,
+                                            seed=7, stream=True))
+    for i, text in enumerate(singles):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == text
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 36
+
+
+def test_greedy_samples_are_identical_copies_generated_once(client, tiny, tokenizer):
+    response = client.completions.create(model=NAME, prompt=PROMPTS[6], max_tokens=10, n=3)
+    expected = _reference(tiny, tokenizer, PROMPTS[6], 10)
+    assert [c.text for c in response.choices] == [expected] * 3 and [c.index for c in response.choices] == [0, 1, 2]
+    assert response.usage.completion_tokens == 30  # every returned choice counts, as OpenAI bills it
+    assert response.model_extra["lookahead"]["new_tokens"] == 10  # the work done: one generation
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[6], max_tokens=10, n=3, stream=True))
+    for i in range(3):
+        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) == expected
+    assert chunks[-1].choices[0].index == 2 and chunks[-1].usage.completion_tokens == 30
+
+
+def test_suffix_without_fim_tokens_is_a_400_that_says_so(url):
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "def f(", "suffix": "):\n"})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "suffix"
+    assert "no fill-in-the-middle tokens" in error["message"] and "<|fim_prefix|>" in error["message"]
+
+
 # -- bad input over raw HTTP -------------------------------------------------------------------------------
 
 _LONG_IDS = list(range(1000, 1000 + CONTEXT + 5))
@@ -221,8 +259,15 @@ _LONG_IDS = list(range(1000, 1000 + CONTEXT + 5))
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": "7"}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "hi", "model": "gpt-4"}', 400, "model"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": 7}', 400, "temperature"),
-    ("/v1/completions", b'{"prompt": "hi", "n": 3}', 400, "n"),
-    ("/v1/completions", b'{"prompt": "hi", "logprobs": 2}', 400, "logprobs"),
+    ("/v1/completions", b'{"prompt": "hi", "n": 0}', 400, "n"),
+    ("/v1/completions", b'{"prompt": "hi", "n": 17}', 400, "n"),
+    ("/v1/completions", b'{"prompt": "hi", "n": 2, "best_of": 3}', 400, "best_of"),
+    ("/v1/completions", b'{"prompt": "hi", "logprobs": 6}', 400, "logprobs"),
+    ("/v1/completions", b'{"prompt": "hi", "logprobs": 2, "stream": true}', 400, "logprobs"),
+    ("/v1/completions", b'{"prompt": "hi", "echo": true}', 400, "echo"),
+    ("/v1/completions", b'{"prompt": [1, 2], "suffix": "x"}', 400, "suffix"),
+    ("/v1/completions", b'{"prompt": "def f(", "suffix": "):"}', 400, "suffix"),  # no FIM tokens here
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
     ("/v1/completions", b'{"prompt": "hi", "stop": 3}', 400, "stop"),
     ("/v1/completions", json.dumps({"prompt": _LONG_IDS}).encode(), 400, "prompt"),
     ("/v1/completions", json.dumps({"prompt": "word " * 300}).encode(), 400, "prompt"),
