@@ -1,6 +1,6 @@
 """`lookahead serve`: an OpenAI-compatible completion server (Starlette + uvicorn) for code-completion clients.
 
-Endpoints: `POST /v1/completions` (`suffix`: fill-in-the-middle; `n` samples),
+Endpoints: `POST /v1/completions` (`suffix`: fill-in-the-middle; `n` samples; `logprobs`),
 `POST /v1/chat/completions` (chat template applied), `GET /v1/models`, `GET /health`. `temperature` defaults to
 0 (greedy: every response is token-identical to `lookahead generate --mode off` for the same prompt);
 `temperature > 0` samples exactly from the model's distribution, and with `seed` the same request gives the same
@@ -164,7 +164,8 @@ class _Handlers:
         body = parse_body(await request.body(), CompletionRequest)
         self._check_model(body.model)
         ids = self._prompt_ids(body.prompt, body.suffix)
-        return await self._respond(request, body, ids, body.max_tokens, chat=False, prompt_field="prompt")
+        return await self._respond(request, body, ids, body.max_tokens, chat=False, prompt_field="prompt",
+                                   logprobs=body.logprobs)
 
     async def chat(self, request: Request):
         """`POST /v1/chat/completions` (the chat template is applied to `messages`)."""
@@ -215,13 +216,13 @@ class _Handlers:
         return requested
 
     async def _respond(self, request: Request, body, ids: list[int], requested: int | None, chat: bool,
-                       prompt_field: str):
+                       prompt_field: str, logprobs: int | None = None):
         """Queue the request's job and answer with its choices, whole or streamed."""
         params = sampling(body)
         n = choices(body)
         copies = 1 if params.temperature > 0 else n  # greedy choices are identical: generate once, answer n times
         spec = JobSpec(ids, self._budget(len(ids), requested, chat, prompt_field), stop_strings(body), params,
-                       samples=n // copies)
+                       samples=n // copies, logprobs=logprobs)
         stream = self.engine.start(spec)
         shape = ResponseShape(chat, self.settings.model_name, copies)
         if body.stream:

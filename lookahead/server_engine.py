@@ -28,6 +28,7 @@ from .config import LookaheadConfig
 from .fim import describe_styles, fim_tokens
 from .hf import Lookahead
 from .recycle import RecycleTable
+from .server_logprobs import TokenLogprobs, token_logprobs
 from .server_text import StopText, TextStreamer, first_stop
 from .stats import DecodeStats
 from .suffix_cache import SuffixCache
@@ -86,7 +87,7 @@ class Completion:
 
     finish_reason: "stop" (EOS or stop string), "length" (max_tokens or the context), or "cancelled" (the
     client went away or the engine closed; never sent). stats: what the decoder did (empty when cancelled
-    before it started).
+    before it started). logprobs: when the job asked for them.
     """
 
     text: str
@@ -94,6 +95,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     stats: DecodeStats
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -134,13 +136,15 @@ class _Cancelled(StoppingCriteria):
 @dataclass(frozen=True)
 class JobSpec:
     """What one request asks the engine for: `samples` completions of prompt `input_ids`, each at most
-    `max_new_tokens` long and ended by any of `stops`."""
+    `max_new_tokens` long and ended by any of `stops`; `logprobs`: how many alternatives per token to report
+    (None: no logprobs)."""
 
     input_ids: list[int]
     max_new_tokens: int
     stops: tuple[str, ...]
     sampling: Sampling
     samples: int = 1
+    logprobs: int | None = None
 
 
 @dataclass(eq=False)  # identity semantics: jobs live in a set
@@ -311,13 +315,15 @@ class Engine:
         config = self.config if seed is None else self.config.with_overrides(seed=seed)
         decoder = Lookahead(config, shared_drafter=self.cache, recycle_table=self.recycle_table)
         streamer = TextStreamer(self.decode, spec.stops, lambda text: job.emit(Delta(index, text)))
+        scored = {} if spec.logprobs is None else {"return_dict_in_generate": True, "output_logits": True}
         output = self.model.generate(
             job.input_ids, attention_mask=torch.ones_like(job.input_ids), max_new_tokens=spec.max_new_tokens,
             stopping_criteria=criteria, custom_generate=decoder, lookahead_streamer=streamer,
-            **sampling_kwargs(spec.sampling))
-        new = output[0, prompt_len:].tolist()
+            **sampling_kwargs(spec.sampling), **scored)
+        sequences = output if spec.logprobs is None else output.sequences  # [1, L + n]
+        new = sequences[0, prompt_len:].tolist()
         if self.cache is not None:
-            self.cache.add(output[0].cpu().numpy())
+            self.cache.add(sequences[0].cpu().numpy())
         text = self.decode(new)
         cut = first_stop(text, spec.stops)
         text = text if cut is None else text[:cut]
@@ -327,4 +333,8 @@ class Engine:
             reason = "stop"
         else:
             reason = "length"
-        return Completion(text, reason, prompt_len, len(new), decoder.last_stats)
+        logprobs = None
+        if spec.logprobs is not None:
+            with self._tokenizer_lock:
+                logprobs = token_logprobs(torch.cat(output.logits), new, spec.logprobs, self.tokenizer, text)
+        return Completion(text, reason, prompt_len, len(new), decoder.last_stats, logprobs)

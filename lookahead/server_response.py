@@ -37,10 +37,11 @@ class ResponseShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def _choice(self, index: int, completion: Completion) -> dict:
+        logprobs = None if completion.logprobs is None else completion.logprobs.as_dict()
         if self.chat:
             return {"index": index, "message": {"role": "assistant", "content": completion.text},
-                    "logprobs": None, "finish_reason": completion.finish_reason}
-        return {"index": index, "text": completion.text, "logprobs": None,
+                    "logprobs": logprobs, "finish_reason": completion.finish_reason}
+        return {"index": index, "text": completion.text, "logprobs": logprobs,
                 "finish_reason": completion.finish_reason}
 
     def whole(self, completions: list[Completion]) -> dict:

@@ -1,8 +1,8 @@
 """Request validation of the OpenAI-compatible server (`lookahead.server`).
 
 Requests are parsed strictly (no string-to-number coercion); unknown fields are ignored so that newer clients
-keep working, but known OpenAI fields lookahead cannot honour (echo, logprobs, penalties, logit_bias, tools,
-...) are rejected with a 400 naming the field, never silently dropped. Bodies that are JSON but not text (a lone
+keep working, but known OpenAI fields lookahead cannot honour (echo, penalties, logit_bias, tools, ...) are
+rejected with a 400 naming the field, never silently dropped. Bodies that are JSON but not text (a lone
 surrogate such as `"\ud800"`), nest deeper than `MAX_DEPTH`, or hold numbers Python will not parse (NaN,
 Infinity, integers over 4300 digits) are 400s as well. Every error is an `APIError`, rendered as OpenAI's
 `{"error": {"message", "type", "param", "code"}}`.
@@ -20,6 +20,7 @@ from .server_engine import MAX_SEED, Sampling
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # `n` on /v1/completions (OpenAI allows 128; every sample is a whole generation here)
+MAX_LOGPROBS = 5  # OpenAI's limit for /v1/completions' `logprobs`
 MAX_DEPTH = 32  # nesting of a request body; OpenAI bodies nest 4 deep (messages[0].content[0].text)
 
 
@@ -206,7 +207,7 @@ def _check_common(request: _Request) -> None:
     }
     if isinstance(request, CompletionRequest):
         _check_completion(request)
-        unsupported |= {"echo": bool(request.echo), "logprobs": request.logprobs is not None}
+        unsupported |= {"echo": bool(request.echo)}
     else:
         unsupported |= {"n": request.n not in (None, 1), "logprobs": bool(request.logprobs),
                         "top_logprobs": request.top_logprobs is not None,
@@ -221,13 +222,19 @@ def _check_common(request: _Request) -> None:
 
 
 def _check_completion(request: CompletionRequest) -> None:
-    """The `/v1/completions` fields beyond the common ones: n, best_of, suffix."""
+    """The `/v1/completions` fields beyond the common ones: n, best_of, logprobs, suffix."""
     n = choices(request)
     if not 1 <= n <= MAX_CHOICES:
         raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {n}", param="n")
     if request.best_of not in (None, n):
         raise APIError(400, f"best_of={request.best_of!r} is not supported by lookahead serve: every sample is "
                             f"returned, so best_of must equal n ({n}) or be omitted", param="best_of")
+    if request.logprobs is not None:
+        if not 0 <= request.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {request.logprobs}", param="logprobs")
+        if request.stream:
+            raise APIError(400, "logprobs cannot be streamed by lookahead serve; send stream=false with logprobs",
+                           param="logprobs")
     if request.suffix and not _is_text_prompt(request.prompt):
         raise APIError(400, "suffix needs a text prompt (the prefix), got token ids", param="suffix")
 

@@ -204,7 +204,7 @@ def test_stop_strings_end_the_completion_like_openai(client, tiny, tokenizer):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-# -- several samples, fill-in-the-middle --------------------------------------------------------
+# -- several samples, logprobs, fill-in-the-middle --------------------------------------------------------
 
 def test_seeded_samples_are_the_one_sample_requests_with_seed_plus_index(client):
     def ask(**kwargs):
@@ -233,6 +233,45 @@ def test_greedy_samples_are_identical_copies_generated_once(client, tiny, tokeni
     for i in range(3):
         assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) == expected
     assert chunks[-1].choices[0].index == 2 and chunks[-1].usage.completion_tokens == 30
+
+
+def _log_softmax_reference(model, ids: list[int], new: list[int]) -> torch.Tensor:
+    """[len(new), V] log-probabilities of the positions that chose `new` after prompt `ids` (one forward)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + new])).logits[0, len(ids) - 1: -1]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def test_logprobs_are_the_models_log_probabilities(client, tiny, tokenizer):
+    # generate records float32 logits (as plain generate does): equal to the fp64 forward to ~1e-7
+    prompt, k = PROMPTS[2], 3
+    ids = tokenizer(prompt).input_ids
+    new = _reference_ids(tiny, ids, 10)
+    reference = _log_softmax_reference(tiny, ids, new)
+    choice = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, logprobs=k).choices[0]
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in new]
+    assert logprobs.token_logprobs == pytest.approx([reference[i, t].item() for i, t in enumerate(new)], abs=1e-5)
+    assert logprobs.text_offset == [len(tokenizer.decode(new[:i]).rstrip("\ufffd")) for i in range(len(new))]
+    for i, top in enumerate(logprobs.top_logprobs):
+        best = reference[i].topk(k)
+        assert set(top) == {tokenizer.decode([t]) for t in [*best.indices.tolist(), new[i]]}
+        assert sorted(top.values(), reverse=True)[:k] == pytest.approx(best.values.tolist(), abs=1e-5)
+        assert logprobs.token_logprobs[i] == pytest.approx(best.values[0].item(), abs=1e-5)  # greedy: the top
+
+
+def test_logprobs_end_with_the_returned_text(client, tiny, tokenizer):
+    prompt = PROMPTS[2]
+    full = _reference(tiny, tokenizer, prompt, 32)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    choice = client.completions.create(model=NAME, prompt=prompt, max_tokens=32, stop=stop, logprobs=0).choices[0]
+    assert choice.finish_reason == "stop" and choice.text == full[: full.index(stop)]
+    offsets = choice.logprobs.text_offset
+    assert offsets and offsets[-1] < len(choice.text) and len(offsets) < 32
+    assert all(len(top) == 1 for top in choice.logprobs.top_logprobs)  # logprobs=0: the returned token only
+    sampled = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0.9, seed=2, n=2,
+                                        logprobs=1)
+    assert [len(c.logprobs.tokens) for c in sampled.choices] == [8, 8]
 
 
 def test_suffix_without_fim_tokens_is_a_400_that_says_so(url):
