@@ -6,8 +6,9 @@
 
 Every batch size decodes the same prompts (the first `max(batch sizes)` of the selection, left-padded in groups
 of the batch size), so throughputs compare directly. Within a repetition each group runs both methods back to
-back in an order rotated from group to group. Throughput counts generated tokens up to each row's EOS (the pad
-fill after it is not counted). Every lookahead output is compared with plain batched greedy, row by row.
+back in an order rotated from group to group. Throughput counts generated tokens up to each sequence's EOS (the
+pad fill after it is not counted). Every lookahead output is compared with plain batched greedy, sequence by
+sequence.
 """
 
 from __future__ import annotations
@@ -23,22 +24,23 @@ from prompts import encode
 METHODS = ("hf_greedy", "lookahead")
 
 
-def left_pad(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, L] left-padded ids and attention mask from 1-D id tensors."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+def left_pad(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L] left-padded ids and attention mask from 1-D id tensors (L: the longest prompt's length)."""
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for b, row in enumerate(rows):
-        ids[b, width - len(row):], mask[b, width - len(row):] = row, 1
+    for b, prompt in enumerate(prompts):
+        ids[b, length - len(prompt):], mask[b, length - len(prompt):] = prompt, 1
     return ids, mask
 
 
-def generated_tokens(output: torch.Tensor, prompt_width: int, eos: set[int]) -> int:
-    """Tokens generated over all rows of `output` [B, L + new], each row counted up to its first EOS."""
+def generated_tokens(output: torch.Tensor, prompt_length: int, eos: set[int]) -> int:
+    """Tokens generated over all sequences of `output` [B, L + new] (L = `prompt_length`), each counted up to its
+    first EOS."""
     total = 0
-    for row in output[:, prompt_width:].tolist():
-        ends = [i for i, token in enumerate(row) if token in eos]
-        total += ends[0] + 1 if ends else len(row)
+    for new in output[:, prompt_length:].tolist():
+        ends = [i for i, token in enumerate(new) if token in eos]
+        total += ends[0] + 1 if ends else len(new)
     return total
 
 
@@ -59,8 +61,8 @@ def run_batches(model, tokenizer, prompts, batch_sizes: list[int], repeats: int,
             _generate(model, *left_pad(encoded[:size], pad), method, decoder, 8, pad)
             bar.update()
     for repeat in range(repeats):
-        for index, (size, rows) in enumerate(groups):
-            ids, mask = left_pad(rows, pad)
+        for index, (size, prompts_of_group) in enumerate(groups):
+            ids, mask = left_pad(prompts_of_group, pad)
             outputs = {}
             for method in rotated(list(METHODS), repeat + index):
                 bar.set_postfix_str(f"batch {size} {method}")
@@ -113,7 +115,7 @@ def summarize(runs: list[dict], batch_sizes: list[int]) -> dict:
 def format_table(result: dict) -> str:
     """Markdown table: one row per batch size."""
     lines = [f"Command: `{result['command']}`", "",
-             "| batch | HF greedy tok/s | lookahead tok/s | speedup | tokens/step per row | identical |",
+             "| batch | HF greedy tok/s | lookahead tok/s | speedup | tokens/step per sequence | identical |",
              "|---:|---:|---:|---:|---:|---:|"]
     for size, entry in result["summary"].items():
         ours = entry["lookahead"]

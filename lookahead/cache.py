@@ -28,8 +28,8 @@ def check_compactable(cache: Cache, max_slots: int, batch_size: int = 1) -> None
 def _check_sliding_window(window: int, max_slots: int, batch_size: int) -> None:
     """Sliding-window layers are exact only while nothing slides out of the window."""
     if batch_size > 1:
-        raise ValueError("lookahead supports sliding-window attention only with batch size 1 (batched rows leave "
-                         "hole slots that count against the window); generate one prompt at a time")
+        raise ValueError("lookahead supports sliding-window attention only with batch size 1 (batched sequences "
+                         "leave hole slots that count against the window); generate one prompt at a time")
     if max_slots > window - 1:
         raise ValueError(f"this model uses sliding-window attention (window {window}); lookahead supports it only "
                          f"while the whole generation fits in the window, but this one may need {max_slots} cache "
@@ -59,29 +59,29 @@ def keep_rows(cache: Cache, prefix_len: int, rows: list[int]) -> None:
 def keep_rows_batched(cache: Cache, prefix_len: int, rows: list[list[int]]) -> int:
     """Batch form of `keep_rows`: sequence b keeps its step rows `rows[b]` at slots `prefix_len + i`.
 
-    All sequences share one slot count, so the new width is K = max len(rows[b]); a sequence with fewer kept rows
-    gets K - len(rows[b]) hole slots after them, which the caller must hide from attention. Returns K.
+    All sequences share one slot count, so each gets K = max len(rows[b]) new slots; a sequence with fewer kept
+    rows gets K - len(rows[b]) hole slots after them, which the caller must hide from attention. Returns K.
     """
-    width = max(len(r) for r in rows)
-    if all(r == list(range(len(r))) for r in rows):  # every row's kept rows are already in place: crop
-        keep_rows(cache, prefix_len, list(range(width)))
-        return width
-    index = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)  # [B, K]
+    slots = max(len(r) for r in rows)
+    if all(r == list(range(len(r))) for r in rows):  # every sequence's kept rows are already in place: crop
+        keep_rows(cache, prefix_len, list(range(slots)))
+        return slots
+    index = torch.tensor([r + [0] * (slots - len(r)) for r in rows], dtype=torch.long)  # [B, K]
     for layer in cache.layers:
         layer.keys = _gather_tail(layer.keys, prefix_len, index)
         layer.values = _gather_tail(layer.values, prefix_len, index)
         _sync_length(layer)
-    return width
+    return slots
 
 
 def _gather_tail(states: torch.Tensor, prefix_len: int, index: torch.Tensor) -> torch.Tensor:
     """[B, H, prefix_len + T, D] -> [B, H, prefix_len + K, D]: the prefix, then per sequence the slots
     `prefix_len + index[b]`. Only the T step slots are copied (in place); the prefix is not touched."""
     b, h, _, d = states.shape
-    width = index.shape[1]
-    index = index.to(states.device)[:, None, :, None].expand(b, h, width, d)
-    states[:, :, prefix_len: prefix_len + width] = states[:, :, prefix_len:].gather(2, index)
-    return states[:, :, : prefix_len + width]
+    slots = index.shape[1]
+    index = index.to(states.device)[:, None, :, None].expand(b, h, slots, d)
+    states[:, :, prefix_len: prefix_len + slots] = states[:, :, prefix_len:].gather(2, index)
+    return states[:, :, : prefix_len + slots]
 
 
 def keep_sequences(cache: Cache, sequences: list[int]) -> None:

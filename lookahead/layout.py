@@ -17,7 +17,7 @@ from .tree import DraftTree
 
 
 @dataclass(frozen=True)
-class RowDrafts:
+class SequenceDrafts:
     """What one sequence of the batch verifies this step: its tree, its window (or None), the root's position id
     and the cached slots it must not see (`hidden`: [prefix_len] bool, or None when all are visible)."""
 
@@ -25,6 +25,10 @@ class RowDrafts:
     window: JacobiWindow | None
     root_position: int
     hidden: torch.Tensor | None = None
+
+
+# The former name ("row" now means a token row of the forward only); `sequence.py` still imports it.
+RowDrafts = SequenceDrafts
 
 
 @dataclass(frozen=True)
@@ -49,36 +53,37 @@ def pack(tree: DraftTree, window: JacobiWindow | None, root_position: int, prefi
 
     root_position: the root's position id; prefix_len: cached slots; prefix_hidden: [prefix_len] bool, cached
     slots no row may attend to (padding), or None when all are visible. Its attention_mask is None for a single
-    row with nothing hidden (the model's fastest path).
+    row (the root alone) with nothing hidden (the model's fastest path).
     """
-    return pack_batch([RowDrafts(tree, window, root_position, prefix_hidden)], prefix_len, dtype, device)
+    return pack_batch([SequenceDrafts(tree, window, root_position, prefix_hidden)], prefix_len, dtype, device)
 
 
-def pack_batch(rows: list[RowDrafts], prefix_len: int, dtype: torch.dtype, device: torch.device) -> StepInputs:
+def pack_batch(drafts: list[SequenceDrafts], prefix_len: int, dtype: torch.dtype,
+               device: torch.device) -> StepInputs:
     """Build the inputs of one step of a batch that shares `prefix_len` cached slots.
 
     Sequence b gets T_b rows; all are padded to T = max T_b with filler rows that see only themselves (their
     outputs and cache slots are discarded). The mask is None only for one row per sequence with nothing hidden.
     """
-    parts = [_row_parts(row) for row in rows]
+    parts = [_sequence_parts(d) for d in drafts]
     t = max(len(ids) for ids, _, _ in parts)
-    ids = np.zeros((len(rows), t), dtype=np.int64)
-    positions = np.zeros((len(rows), t), dtype=np.int64)
-    for b, (row_ids, row_positions, _) in enumerate(parts):
-        ids[b, : len(row_ids)], ids[b, len(row_ids):] = row_ids, row_ids[0]
-        positions[b, : len(row_ids)], positions[b, len(row_ids):] = row_positions, row_positions[0]
-    nothing_masked = t == 1 and all(row.hidden is None for row in rows)
+    ids = np.zeros((len(drafts), t), dtype=np.int64)
+    positions = np.zeros((len(drafts), t), dtype=np.int64)
+    for b, (seq_ids, seq_positions, _) in enumerate(parts):
+        ids[b, : len(seq_ids)], ids[b, len(seq_ids):] = seq_ids, seq_ids[0]
+        positions[b, : len(seq_ids)], positions[b, len(seq_ids):] = seq_positions, seq_positions[0]
+    nothing_masked = t == 1 and all(d.hidden is None for d in drafts)
     return StepInputs(
         input_ids=torch.from_numpy(ids).to(device),
         position_ids=torch.from_numpy(positions).to(device),
-        attention_mask=None if nothing_masked else _additive_mask(parts, rows, prefix_len, t, dtype, device),
-        n_tree=tuple(row.tree.size for row in rows),
+        attention_mask=None if nothing_masked else _additive_mask(parts, drafts, prefix_len, t, dtype, device),
+        n_tree=tuple(d.tree.size for d in drafts),
     )
 
 
-def _row_parts(row: RowDrafts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _sequence_parts(drafts: SequenceDrafts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ids [T_b], position ids [T_b], visibility block [T_b, T_b] bool) of one sequence's tree + window."""
-    tree, window = row.tree, row.window
+    tree, window = drafts.tree, drafts.window
     block = tree.ancestor_mask()  # [N, N]
     ids, offsets = tree.tokens, tree.depth
     if window is not None:
@@ -90,17 +95,17 @@ def _row_parts(row: RowDrafts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         block = full
         ids = np.concatenate([ids, window.flat_tokens()])
         offsets = np.concatenate([offsets, window.offsets])
-    return ids, offsets + row.root_position, block
+    return ids, offsets + drafts.root_position, block
 
 
-def _additive_mask(parts, rows: list[RowDrafts], prefix_len: int, t: int, dtype: torch.dtype,
+def _additive_mask(parts, drafts: list[SequenceDrafts], prefix_len: int, t: int, dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
     """[B, 1, T, prefix_len + T] additive mask: each sequence's visible prefix and block; filler rows see only
     themselves."""
-    allowed = np.zeros((len(rows), t, prefix_len + t), dtype=bool)
-    for b, ((row_ids, _, block), row) in enumerate(zip(parts, rows)):
-        n = len(row_ids)
-        allowed[b, :n, :prefix_len] = True if row.hidden is None else ~row.hidden.numpy()
+    allowed = np.zeros((len(drafts), t, prefix_len + t), dtype=bool)
+    for b, ((seq_ids, _, block), d) in enumerate(zip(parts, drafts)):
+        n = len(seq_ids)
+        allowed[b, :n, :prefix_len] = True if d.hidden is None else ~d.hidden.numpy()
         allowed[b, :n, prefix_len: prefix_len + n] = block
         filler = np.arange(n, t)
         allowed[b, filler, prefix_len + filler] = True
