@@ -7,7 +7,8 @@ import sys
 import click
 
 from lookahead.cli.calibrate import calibrate
-from lookahead.cli.options import arithmetic_options, build_config, draft_choice, read_prompt, sampling_kwargs
+from lookahead.cli.options import (arithmetic_options, build_config, draft_choice, placement_kwargs, read_prompt,
+                                   sampling_kwargs)
 from lookahead.cli.serve import serve
 
 
@@ -44,9 +45,15 @@ def main() -> None:
 @click.option("--draft-layers", type=click.IntRange(min=1), default=None,
               help="Self-speculative draft: the model's own first N layers plus its LM head.")
 @click.option("--draft-tokens", type=click.IntRange(1, 64), default=None, help="Draft-model chain length per step.")
+@click.option("--tp", is_flag=True, help="Tensor parallelism over the processes of a torchrun launch "
+              "(`torchrun --nproc-per-node N -m lookahead.cli generate --tp ...`); rank 0 prints.")
+@click.option("--device-map", default=None, metavar="MAP",
+              help='Split the model over devices/CPU/disk (accelerate): "auto" or a JSON object {module: device}.')
+@click.option("--offload-folder", type=click.Path(file_okay=False), default=None,
+              help='Folder for weights a --device-map puts on "disk".')
 @arithmetic_options
 def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sample, temperature, top_k, top_p,
-             draft_path, draft_layers, **knobs) -> None:
+             draft_path, draft_layers, tp, device_map, offload_folder, **knobs) -> None:
     """Stream a completion of PROMPT (or of stdin when PROMPT is omitted or `-`); greedy unless --sample."""
     from lookahead.cli.run import run_generate
 
@@ -54,7 +61,8 @@ def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sam
     config = build_config(mode, knobs)
     sampling = sampling_kwargs(sample, temperature, top_k, top_p)
     draft = draft_choice(draft_path, draft_layers, mode)
-    run_generate(text, model_path, chat, max_new_tokens, config, stats, compare, sampling, draft)
+    placement = placement_kwargs(tp, device_map, offload_folder)
+    run_generate(text, model_path, chat, max_new_tokens, config, stats, compare, sampling, draft, placement)
 
 
 main.add_command(serve)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import click
@@ -95,3 +96,32 @@ def draft_choice(path: str | None, layers: int | None, mode: str) -> tuple[str, 
     if mode == "off":
         raise click.UsageError("a draft model needs speculation: drop --mode off")
     return ("model", path) if path is not None else ("layers", layers)
+
+
+def placement_kwargs(tp: bool, device_map: str | None, offload_folder: str | None) -> dict:
+    """`load_model` keyword arguments for --tp / --device-map / --offload-folder; `click.UsageError` for a
+    device map that is neither "auto"-like nor a JSON object, or for flags that do not go together."""
+    if tp and device_map is not None:
+        raise click.UsageError("--tp and --device-map cannot be combined")
+    if offload_folder is not None and device_map is None:
+        raise click.UsageError('--offload-folder needs a --device-map that puts layers on "disk"')
+    placement = {"tp_plan": "auto"} if tp else {}
+    if device_map is not None:
+        placement["device_map"] = _device_map(device_map)
+    if offload_folder is not None:
+        placement["offload_folder"] = offload_folder
+    return placement
+
+
+def _device_map(text: str) -> str | dict:
+    """A device map given on the command line: a strategy name or a JSON object of module → device."""
+    if text in ("auto", "balanced", "balanced_low_0", "sequential"):
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise click.UsageError('--device-map: expected "auto" (or balanced, sequential) or a JSON object such '
+                               'as \'{"model.layers.0": "cpu", "lm_head": "disk"}\'')
+    return value

