@@ -159,3 +159,10 @@ def test_calibrate_prints_the_curve_at_each_cache_length(tmp_path, monkeypatch):
         assert len(calls) == expected_calls
     assert "t(k)/t(1) @ 256" in result.output and "t(k)/t(1) @ 1024" in result.output
     assert "linear layers prepacked" in result.output and "lookahead_tree attention" in result.output
+
+
+def test_a_model_split_by_device_map_has_its_own_curve(tiny_model):
+    model = tiny_model("llama")
+    whole = curve_key(model)
+    model.hf_device_map = {"model": "cpu", "lm_head": "disk"}
+    assert curve_key(model) != whole
