@@ -85,7 +85,8 @@ def _gather_tail(states: torch.Tensor, prefix_len: int, index: torch.Tensor) -> 
 
 
 def keep_sequences(cache: Cache, sequences: list[int]) -> None:
-    """Keep only the batch entries `sequences` (e.g. drop finished sequences), in that order."""
+    """Keep only the batch entries `sequences` (e.g. drop finished sequences), in that order; an entry listed
+    several times is copied (one prompt's cache for each of its `num_return_sequences` copies)."""
     for layer in cache.layers:
         index = torch.tensor(sequences, dtype=torch.long, device=layer.keys.device)
         layer.keys = layer.keys.index_select(0, index)

@@ -35,7 +35,8 @@ class DecodeRequest:
     padded with `pad_token_id` (HF does this when an EOS criterion exists; otherwise a stopped row keeps
     generating until every row has stopped); recycle_table: the token-recycling table the generation reads
     and refreshes (shared across calls; None = a private one); record_scores: keep every generated token's
-    raw logits and processed scores for `Decoder.step_outputs`.
+    raw logits and processed scores for `Decoder.step_outputs`; copies: `num_return_sequences` (transformers
+    has already repeated each prompt into that many adjacent rows of `input_ids` and `prompt_kwargs`).
     """
 
     input_ids: torch.Tensor
@@ -53,6 +54,7 @@ class DecodeRequest:
     pad_token_id: int | None = None
     recycle_table: RecycleTable | None = None
     record_scores: bool = False
+    copies: int = 1
 
 
 class Decoder:
@@ -91,23 +93,28 @@ class Decoder:
                             lambda b, text, logits: self.sequences[b].process(text.cpu().numpy(), logits))
 
     def _prefill(self) -> None:
-        """Forward the prompts and commit each sequence's next token."""
+        """Forward the prompts (each distinct prompt once, its copies share the cache entries) and commit each
+        sequence's next token."""
         t0 = time.perf_counter()
-        request = self.request
-        kwargs = dict(request.prompt_kwargs)
+        request, copies = self.request, self.request.copies
+        kwargs = _one_copy_each(request.prompt_kwargs, copies)
         if getattr(self.model, "_supports_logits_to_keep", lambda: False)():
             kwargs.setdefault("logits_to_keep", 1)  # the LM head only for the last position
-        inputs = self.model.prepare_inputs_for_generation(request.input_ids, is_first_iteration=True, **kwargs)
-        logits = self.model(**inputs, return_dict=True).logits[:, -1]  # [B, V]
+        inputs = self.model.prepare_inputs_for_generation(request.input_ids[::copies], is_first_iteration=True,
+                                                          **kwargs)
+        logits = self.model(**inputs, return_dict=True).logits[:, -1]  # [B / copies, V]
+        prompts = request.input_ids.cpu().numpy()
+        if copies > 1:
+            keep_sequences(self.cache, [b // copies for b in range(len(prompts))])
         self.prefix_len = self.cache.get_seq_length()
         positions, mask = inputs.get("position_ids"), request.prompt_kwargs.get("attention_mask")
-        prompts = request.input_ids.cpu().numpy()
         vocab = self.model.config.get_text_config().vocab_size
         for b, prompt in enumerate(prompts):
-            root_position = int(positions[b, -1]) + 1 if positions is not None else self.prefix_len
+            first = b // copies  # the row of this prompt in the prefill
+            root_position = int(positions[first, -1]) + 1 if positions is not None else self.prefix_len
             sequence = Sequence(b, prompt, _hidden_slots(mask, b), root_position, self.config, request, vocab,
                                 use_window=len(prompts) == 1)
-            tokens = sequence.commit([sequence.first_token(logits[b])], request.max_length, self.cut_at_stop)
+            tokens = sequence.commit([sequence.first_token(logits[first])], request.max_length, self.cut_at_stop)
             sequence.drafters.observe(sequence.ids[: sequence.length])
             self._stream(tokens)
             self.sequences.append(sequence)
@@ -206,6 +213,19 @@ class Decoder:
             n = min(sequence.length, width)
             out[b, :n] = torch.from_numpy(sequence.ids[:n])
         return out.to(self.device)
+
+
+def _one_copy_each(kwargs: dict, copies: int) -> dict:
+    """`kwargs` with transformers' `num_return_sequences` expansion undone: each tensor keeps the first of every
+    `copies` adjacent batch rows (multimodal position ids [3, B, L] along their batch dim 1, as it expands them)."""
+    if copies == 1:
+        return dict(kwargs)
+    out = {}
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            value = value[:, ::copies] if name == "position_ids" and value.dim() == 3 else value[::copies]
+        out[name] = value
+    return out
 
 
 def _hidden_slots(attention_mask: torch.Tensor | None, row: int) -> torch.Tensor | None:

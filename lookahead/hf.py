@@ -87,7 +87,8 @@ class Lookahead:
                                 draft_model=self.draft_model, pad_token_id=_pad_token(generation_config),
                                 recycle_table=self.recycle_table,
                                 pad_finished=any(hasattr(c, "eos_token_id") for c in stopping_criteria),
-                                record_scores=_wants_scores(generation_config))
+                                record_scores=_wants_scores(generation_config),
+                                copies=generation_config.num_return_sequences or 1)
         decoder = Decoder(model, self.config, request)
         sequences = decoder.run()
         self.last_stats = decoder.stats
@@ -135,8 +136,6 @@ def _check_generation_config(config: GenerationConfig, input_ids: torch.Tensor) 
     if (config.num_beams or 1) > 1:
         raise ValueError(f"lookahead does not support beam search (num_beams={config.num_beams}); "
                          "use plain model.generate for beam search")
-    if (config.num_return_sequences or 1) > 1:
-        raise ValueError("num_return_sequences > 1 is not supported by lookahead; call generate once per sample")
     if config.return_dict_in_generate:
         for name in _UNSUPPORTED_OUTPUTS:
             if getattr(config, name, False):

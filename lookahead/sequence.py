@@ -36,7 +36,7 @@ class Sequence:
         self.length, self.prompt_length = len(prompt), len(prompt)
         self.hidden, self.root_position = hidden, root_position
         self.stop_length: int | None = None  # length when the stopping criteria first fired
-        self.rule = make_rule(request.do_sample, config.seed)
+        self.rule = make_rule(request.do_sample, copy_seed(config.seed, index % request.copies))
         self.record = ScoreRecord() if request.record_scores else None  # for output_scores / output_logits
         # The recycling table outlives the request when the caller shares one (a `Lookahead` object, a server).
         self.drafters = Drafters(config, vocab_size, prompt, request.shared_drafter, self._model_drafter(),
@@ -171,3 +171,11 @@ class Sequence:
         penalty's prompt padding lengths): this sequence's text at its batch index, copies elsewhere."""
         row = torch.from_numpy(ids).to(self.request.input_ids.device).view(1, -1)
         return row.expand(self.request.input_ids.shape[0], -1)
+
+
+def copy_seed(seed: int | None, copy: int) -> int | None:
+    """The seed of copy `copy` of a prompt (`num_return_sequences`): `seed` itself for copy 0, a distinct 64-bit
+    seed for each other copy, so the copies are independent draws and a seeded run still reproduces itself."""
+    if seed is None or copy == 0:
+        return seed
+    return (seed + copy * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)  # the Weyl step of splitmix64: distinct per copy
