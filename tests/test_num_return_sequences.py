@@ -1,8 +1,8 @@
-"""`num_return_sequences > 1`: transformers repeats each prompt into adjacent rows before calling lookahead; each
-copy is decoded as its own row (own drafters, own random stream, the prompt's prefill shared). Checked against
-plain `generate` token for token where its output is deterministic (top_k=1 sampling, forced draws), in law
-otherwise (chi-square against enumeration, copies independent, with a negative control), and seeded copies
-reproduce themselves.
+"""`num_return_sequences > 1`: transformers repeats each prompt into adjacent batch entries before calling
+lookahead; each copy is decoded as its own sequence (own drafters, own random stream, the prompt's prefill
+shared). Checked against plain `generate` token for token where its output is deterministic (top_k=1 sampling,
+forced draws), in law otherwise (chi-square against enumeration, copies independent, with a negative control),
+and seeded copies reproduce themselves.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_argmax_copies_equal_plain_generate(model, batched):
 
 @pytest.mark.parametrize("batched", [False, True], ids=["one_prompt", "padded_batch"])
 def test_sampled_copies_equal_plain_generate_drawing_the_same_tokens(model, batched):
-    """Plain `generate` forced to draw lookahead's tokens gives the same rows, scores and logits: each copy is
+    """Plain `generate` forced to draw lookahead's tokens gives the same sequences, scores and logits: each copy is
     decoded in HF's layout from its own prompt's (shared) prefill."""
     kwargs = dict(**prompts(batched), max_new_tokens=20, do_sample=True, temperature=0.9, num_return_sequences=3,
                   **OUTPUTS)
@@ -78,7 +78,7 @@ def test_seeded_copies_equal_the_plain_seeded_loop_differ_and_reproduce(model, b
     again = model.generate(custom_generate=Lookahead(seed=11, **BATCH), **kwargs)
     assert torch.equal(ours, off) and torch.equal(ours, again)
     for group in ours.view(-1, 3, ours.shape[1]):
-        assert len({tuple(row.tolist()) for row in group}) == 3, "each copy must be its own draw"
+        assert len({tuple(copy.tolist()) for copy in group}) == 3, "each copy must be its own draw"
     assert max(decoder.last_stats.tokens_per_step) > 1
 
 
