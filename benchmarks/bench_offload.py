@@ -96,14 +96,15 @@ def step_ratio(model, prefix: int = 256, repeats: int = 3) -> dict:
     """Lower-quartile seconds of one forward of 1 and of 16 rows on a `prefix`-token cache, and their ratio."""
     from transformers import DynamicCache
 
+    vocab = model.config.get_text_config().vocab_size
     cache = DynamicCache(config=model.config)
-    model(torch.randint(0, 1000, (1, prefix)), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(torch.randint(0, vocab, (1, prefix)), past_key_values=cache, use_cache=True, logits_to_keep=1)
     seconds = {1: [], 16: []}
     for _ in range(repeats + 1):
         for rows in seconds:
             mask = None if rows == 1 else torch.zeros(1, 1, rows, prefix + rows)
             start = time.perf_counter()
-            model(torch.randint(0, 1000, (1, rows)), position_ids=torch.arange(prefix, prefix + rows)[None],
+            model(torch.randint(0, vocab, (1, rows)), position_ids=torch.arange(prefix, prefix + rows)[None],
                   attention_mask=mask, past_key_values=cache, use_cache=True)
             seconds[rows].append(time.perf_counter() - start)
             cache.crop(-rows)
