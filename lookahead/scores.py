@@ -1,12 +1,12 @@
 """Per-token scores and logits for `generate(return_dict_in_generate=True, output_scores=/output_logits=True)`.
 
-Plain `generate` records, at every step, each row's raw logits (float32) and its processed scores (after the
+Plain `generate` records, at every step, each sequence's raw logits (float32) and its processed scores (after the
 logits processors and warpers) in tuples of `[B, V]` tensors, one per generated position. Verification already
 computes both for every committed token: the raw logits are the accepted path's rows of the step's forward, and
 the processed scores are what the rule's walk scored at those nodes. `ScoreRecord` keeps them per sequence;
-`step_outputs` lays them out as `generate` does. A batch row that stopped early is fed pad tokens by plain
-`generate`, which still records that row's logits at every later step: `step_outputs` recomputes those tail
-positions with one forward of the finished rows' padded text.
+`step_outputs` lays them out as `generate` does. A sequence of a batch that stopped early is fed pad tokens by
+plain `generate`, which still records its logits at every later step: `step_outputs` recomputes those with one
+forward of the finished sequences' padded text.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from .verify import NodeScorer, Verdict
 
-# (batch row, token ids [n] of that row's text) , raw logits [V] -> processed scores [V] for that row
+# (batch index of a sequence, token ids [n] of its text, raw logits [V]) -> its processed scores [V]
 RowProcessor = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -66,9 +66,9 @@ def step_outputs(records: list[ScoreRecord], sequences: torch.Tensor, prompt_len
     """(scores, logits) as `generate` returns them: one `[B, V]` tensor per generated position of `sequences`
     [B, prompt_len + steps].
 
-    Row b's first `len(records[b])` positions come from its record; a row with fewer (it stopped early and was
-    padded) gets the rest from `tail(rows, steps)`, which returns the raw logits [len(rows), steps, V] of those
-    rows at every position given their padded text, processed by `process(b, text, logits)`.
+    Sequence b's first `len(records[b])` tokens come from its record; a sequence with fewer (it stopped early and
+    was padded) gets the rest from `tail(short, steps)`, which returns the raw logits [len(short), steps, V] of the
+    sequences `short` at every generated index given their padded text, processed by `process(b, text, logits)`.
     """
     steps = sequences.shape[1] - prompt_len
     logits = [record.logits[:steps] for record in records]
@@ -85,15 +85,15 @@ def step_outputs(records: list[ScoreRecord], sequences: torch.Tensor, prompt_len
 
 
 def padded_tail_logits(model, sequences: torch.Tensor, prompt_mask: torch.Tensor | None, prompt_len: int,
-                       rows: list[int], steps: int) -> torch.Tensor:
-    """Raw float32 logits [len(rows), steps, V] that plain `generate` computes for batch rows `rows` of
-    `sequences` [B, prompt_len + steps] at each generated position: one forward of their text (prompt, output and
-    pad fill) with the prompt's padding mask, every later token visible and positions counted as `generate`
-    counts them (`prompt_mask` [B, prompt_len] or None = no padding)."""
-    ids = sequences[rows, : prompt_len + steps - 1]
+                       finished: list[int], steps: int) -> torch.Tensor:
+    """Raw float32 logits [len(finished), steps, V] that plain `generate` computes for the sequences `finished`
+    (batch indices into `sequences` [B, prompt_len + steps]) at each generated index: one forward of their text
+    (prompt, output and pad fill) with the prompt's padding mask, every later token visible and positions counted
+    as `generate` counts them (`prompt_mask` [B, prompt_len] or None = no padding)."""
+    ids = sequences[finished, : prompt_len + steps - 1]
     mask = torch.ones_like(ids)
     if prompt_mask is not None:
-        mask[:, :prompt_len] = prompt_mask[rows]
+        mask[:, :prompt_len] = prompt_mask[finished]
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, return_dict=True)

@@ -1,6 +1,6 @@
 """`return_dict_in_generate=True` with `output_scores` / `output_logits`: lookahead returns the tensors plain
-`generate` returns (fp32 tolerance), greedy and sampling, batch 1 and left-padded batches (rows finishing at EOS
-included), while its drafts really get accepted.
+`generate` returns (fp32 tolerance), greedy and sampling, batch 1 and left-padded batches (sequences
+finishing at EOS included), while its drafts really get accepted.
 
 For sampling the reference is plain `generate` made to draw lookahead's tokens (its `torch.multinomial` replaced
 by a stub that returns them), so HF's own loop records the scores and logits of the same text.
@@ -113,22 +113,22 @@ def test_padded_batch_scores_and_logits_equal_plain_generate(model, do_sample):
 
 
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "seeded"])
-def test_rows_finished_at_eos_get_the_logits_plain_generate_records(model, do_sample):
-    """A row that stops early is fed pad tokens by plain `generate`, which records that row's logits at every
-    later step too; lookahead recomputes them."""
+def test_sequences_finished_at_eos_get_the_logits_plain_generate_records(model, do_sample):
+    """A sequence that stops early is fed pad tokens by plain `generate`, which records its logits at every later
+    step too; lookahead recomputes them."""
     ids, mask = padded_batch(lengths=(24, 16, 20))
     kwargs = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=24, **OUTPUTS,
                   **(SAMPLING if do_sample else dict(do_sample=False)))
     decoder = Lookahead(seed=7, **SPECULATE)
     free = model.generate(ids, custom_generate=decoder, **kwargs).sequences
-    eos = int(free[1, ids.shape[1] + 5])  # row 1 stops at its 6th token at the latest
+    eos = int(free[1, ids.shape[1] + 5])  # sequence 1 stops at its 6th token at the latest
     decoder = Lookahead(seed=7, **SPECULATE)
     ours = model.generate(ids, custom_generate=decoder, eos_token_id=eos, **kwargs)
     plain = plain_with_tokens(model, ids, ours.sequences, eos_token_id=eos, **kwargs) if do_sample \
         else model.generate(ids, eos_token_id=eos, **kwargs)
     assert_same_outputs(plain, ours)
     new = ours.sequences[:, ids.shape[1]:]
-    assert int((new[1] == eos).nonzero()[0]) < new.shape[1] - 2, "row 1 must be padded while another row goes on"
+    assert int((new[1] == eos).nonzero()[0]) < new.shape[1] - 2, "sequence 1 must be padded while another goes on"
     assert_speculated(decoder)
 
 
@@ -158,16 +158,16 @@ def test_score_record_keeps_the_walked_scores_of_the_accepted_path():
     assert len(record.scores) == 3 and torch.equal(record.scores[2], logits[0].float())
 
 
-def test_step_outputs_fills_a_short_row_from_the_tail():
+def test_step_outputs_fills_a_short_sequence_from_the_tail():
     records = [ScoreRecord(), ScoreRecord()]
     records[0].record(0, torch.zeros(3, 2), [torch.zeros(2)] * 3)
     records[1].record(0, torch.ones(1, 2), [torch.ones(2)])
     sequences = torch.tensor([[5, 1, 2, 3], [5, 4, 0, 0]])  # prompt length 1, 3 steps
     tails = []
 
-    def tail(rows, steps):
-        tails.append((rows, steps))
-        return torch.full((len(rows), steps, 2), 7.0)
+    def tail(short, steps):
+        tails.append((short, steps))
+        return torch.full((len(short), steps, 2), 7.0)
 
     scores, logits = step_outputs(records, sequences, 1, tail, lambda b, text, row: row + len(text))
     assert tails == [([1], 3)]
