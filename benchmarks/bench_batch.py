@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from harness import common_parser, default_out, finish_args, headed, machine_info, progress_bar, publish, rotated
+from harness import (common_parser, default_out, finish_args, headed, load_target, machine_info, progress_bar, publish,
+                     rotated)
 from prompts import encode
 
 METHODS = ("hf_greedy", "lookahead")
@@ -145,10 +146,7 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> None:
     """Run from the command line; print the table and write the JSON."""
     args = parse_args(argv)
-    from lookahead import load_model
-
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_target(args)
     result = run_batches(model, tokenizer, args.prompts, args.batch_sizes, args.repeats, args.max_new_tokens,
                          args.lookahead_config)
     result = headed(result, machine_info(args.threads),

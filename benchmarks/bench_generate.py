@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from harness import (REFERENCE, ForwardCounter, close_load_average, common_parser, default_out, finish_args,
-                     group_name, headed, interleaved_runs, machine_info, machine_line, markdown_table,
-                     progress_bar, prompt_records, publish, speedup_cell, summarize, timed_run)
+                     group_name, headed, interleaved_runs, load_target, machine_info, machine_line,
+                     markdown_table, progress_bar, prompt_records, publish, speedup_cell, summarize, timed_run)
 from prompts import Prompt, encode
 
 # Each model-free drafter alone (`--ablation`), as overrides of the `lookahead` config. The window's n-grams reach
@@ -300,13 +300,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Run the suite from the command line; print the markdown tables and write the JSON (and plots)."""
     args = parse_args(argv)
-    from lookahead import load_model
     from lookahead.cost_curve import cost_curve_for
     from lookahead.models import load_draft
 
-    torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model, tokenizer = load_model(args.model, dtype=dtype)
+    model, tokenizer = load_target(args, dtype)
     draft_model = load_draft(model, tokenizer, args.draft_model, args.draft_layers, dtype)
     machine = machine_info(args.threads)
     result = run_suite(model, tokenizer, args.prompts, args.methods, args.repeats, args.max_new_tokens,

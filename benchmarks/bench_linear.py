@@ -25,12 +25,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from harness import command_line, cpu_flags, machine_info, write_json
+from harness import command_line, cpu_flags, machine_info, rows_parser, write_json
 
 CANDIDATES = ("default", "w_xt", "mkldnn", "mkldnn_fused", "mkl", "head_blocks", "inductor")
 NATIVE = {"bf16": ("avx512_bf16", "amx_bf16"), "int8": ("avx512_vnni", "avx_vnni", "amx_int8")}
@@ -174,14 +173,9 @@ def format_table(result: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded default model)")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser = rows_parser(__doc__.split("\n\n")[0], repeats=5)
     parser.add_argument("--candidates", nargs="+", choices=CANDIDATES,
                         default=[c for c in CANDIDATES if c != "inductor"])
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.rows[0] != 1 or min(args.rows) < 1 or args.repeats < 1 or args.threads < 1:
         parser.error("--rows must start with 1; --rows, --repeats and --threads must be positive")

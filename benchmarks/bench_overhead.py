@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from harness import common_parser, finish_args, group_name, machine_info, markdown_table, progress_bar, write_json
+from harness import (common_parser, finish_args, group_name, load_target, machine_info, markdown_table, progress_bar,
+                     write_json)
 from prompts import encode
 
 DEFAULT_CATEGORIES = ("code", "summarization", "chat")  # copying-friendly, grounded, free text
@@ -103,10 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Measure, print the markdown table, optionally write JSON."""
     args = parse_args(argv)
-    from lookahead import Lookahead, load_model
+    from lookahead import Lookahead
 
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_target(args)
     decoder = Lookahead(args.lookahead_config)
     encoded = [encode(tokenizer, prompt) for prompt in args.prompts]
     measure_prompt(model, encoded[0], decoder, args.max_new_tokens)  # warm-up (numba JIT, caches)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from harness import command_line, cpu_flags, machine_info, write_json
+from harness import command_line, cpu_flags, load_target, machine_info, rows_parser, write_json
 
 LINEAR_KINDS = {"q_proj": "attn q/k/v", "k_proj": "attn q/k/v", "v_proj": "attn q/k/v", "qkv_proj": "attn q/k/v",
                 "o_proj": "attn o", "gate_proj": "mlp gate/up", "up_proj": "mlp gate/up",
@@ -46,10 +46,7 @@ VARIANTS = ("default", "packed", "packed-sdpa", "packed-unfused")
 def main(argv: list[str] | None = None) -> None:
     """Measure every variant and row count; print the table, write JSON (and a plot)."""
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    import lookahead
-
-    model, _ = lookahead.load_model(args.model)
+    model, _ = load_target(args)
     result = {"command": command_line(), "machine": machine_info(args.threads), "cpu_flags": cpu_flags(),
               "prefix": args.prefix, "rows": args.rows, "variants": measure(model, args)}
     print(format_table(result))
@@ -246,14 +243,9 @@ def plot(result: dict, path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded default model)")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser = rows_parser(__doc__.split("\n\n")[0], repeats=7)
     parser.add_argument("--prefix", type=int, default=300, help="cached tokens before the step")
-    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot", action="store_true", help="write a PNG beside --out")
     args = parser.parse_args(argv)
     if args.rows[0] != 1 or any(k < 1 for k in args.rows):

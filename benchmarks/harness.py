@@ -46,6 +46,27 @@ def common_parser(description: str, prompts_per_category: int, repeats: int,
     return parser
 
 
+def rows_parser(description: str, repeats: int) -> argparse.ArgumentParser:
+    """The options of the scripts that time forwards of k rows: model, row counts (the first is the one-row
+    reference), repeats, threads and the JSON path."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded default model)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    return parser
+
+
+def load_target(args: argparse.Namespace, dtype: torch.dtype = torch.float32):
+    """Set torch's thread count to `args.threads`, then `(model, tokenizer)` of `args.model` (None: the embedded
+    default) with lookahead's loader."""
+    from lookahead import load_model
+
+    torch.set_num_threads(args.threads)
+    return load_model(args.model, dtype=dtype)
+
+
 def finish_args(parser: argparse.ArgumentParser, args: argparse.Namespace, positive: tuple[str, ...]):
     """Checks the suite scripts share: the `positive` counts are >= 1; `--config` overrides become
     `args.lookahead_config`; the prompts are loaded into `args.prompts`. Errors go through `parser.error`."""

@@ -23,7 +23,7 @@ class GreedyRule:
 
     def propose(self, scores: torch.Tensor, index: int) -> tuple[int, None]:
         """A draft model's token at `index`: the argmax of its scores [V] (a point-mass draft)."""
-        return int(scores.argmax()), None
+        return self.first(scores, index), None
 
     def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer | None, root_index: int,
              sampled: SampledDrafts | None = None) -> Verdict:
@@ -67,7 +67,7 @@ class SeededRule:
     def propose(self, scores: torch.Tensor, index: int) -> tuple[int, None]:
         """A draft model's token at `index`: the Gumbel-max draw with the target's noise for `index`, so it
         matches the target's token whenever the two argmaxes agree (a point-mass draft)."""
-        return sample_seeded(probs_from_scores(scores), self.seed, index), None
+        return self.first(scores, index), None
 
     def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer, root_index: int,
              sampled: SampledDrafts | None = None) -> Verdict:
