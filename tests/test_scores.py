@@ -67,6 +67,13 @@ def plain_with_tokens(model, prompt, sequences, **kwargs):
         return model.generate(prompt, **kwargs)
 
 
+def reference(model, prompt, sequences, **kwargs):
+    """Plain `generate` for the same call; when sampling, forced to draw the new tokens of `sequences`."""
+    if kwargs["do_sample"]:
+        return plain_with_tokens(model, prompt, sequences, **kwargs)
+    return model.generate(prompt, **kwargs)
+
+
 @pytest.mark.parametrize("processors", [{}, dict(repetition_penalty=1.3, no_repeat_ngram_size=4)],
                          ids=["raw", "processors"])
 def test_greedy_scores_and_logits_equal_plain_generate(model, processors):
@@ -100,6 +107,19 @@ def test_unseeded_sampling_scores_equal_plain_generate(model):
     assert_same_outputs(plain_with_tokens(model, prompt, ours.sequences, **kwargs), ours)
 
 
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+def test_scores_with_a_draft_model_equal_plain_generate(model, do_sample):
+    """A draft model's chain is accepted with min(1, p/q) when sampling: its nodes' scores are recorded too."""
+    prompt = repetitive_prompt(3)
+    kwargs = dict(max_new_tokens=24, **OUTPUTS, **(SAMPLING if do_sample else dict(do_sample=False)))
+    decoder = Lookahead(draft_model=model, **SPECULATE)  # the target drafting for itself: long accepted chains
+    torch.manual_seed(4)
+    ours = model.generate(prompt, custom_generate=decoder, **kwargs)
+    plain = reference(model, prompt, ours.sequences, **kwargs)
+    assert_same_outputs(plain, ours)
+    assert decoder.last_stats.accepted_by_drafter["draft_model"] > 0
+
+
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "seeded"])
 def test_padded_batch_scores_and_logits_equal_plain_generate(model, do_sample):
     ids, mask = padded_batch(lengths=(24, 16, 20))
@@ -107,7 +127,7 @@ def test_padded_batch_scores_and_logits_equal_plain_generate(model, do_sample):
                   **(SAMPLING if do_sample else dict(do_sample=False, repetition_penalty=1.2)))
     decoder = Lookahead(seed=7, **SPECULATE)
     ours = model.generate(ids, custom_generate=decoder, **kwargs)
-    plain = plain_with_tokens(model, ids, ours.sequences, **kwargs) if do_sample else model.generate(ids, **kwargs)
+    plain = reference(model, ids, ours.sequences, **kwargs)
     assert_same_outputs(plain, ours)
     assert_speculated(decoder)
 
@@ -124,8 +144,7 @@ def test_sequences_finished_at_eos_get_the_logits_plain_generate_records(model, 
     eos = int(free[1, ids.shape[1] + 5])  # sequence 1 stops at its 6th token at the latest
     decoder = Lookahead(seed=7, **SPECULATE)
     ours = model.generate(ids, custom_generate=decoder, eos_token_id=eos, **kwargs)
-    plain = plain_with_tokens(model, ids, ours.sequences, eos_token_id=eos, **kwargs) if do_sample \
-        else model.generate(ids, eos_token_id=eos, **kwargs)
+    plain = reference(model, ids, ours.sequences, eos_token_id=eos, **kwargs)
     assert_same_outputs(plain, ours)
     new = ours.sequences[:, ids.shape[1]:]
     assert int((new[1] == eos).nonzero()[0]) < new.shape[1] - 2, "sequence 1 must be padded while another goes on"
