@@ -5,56 +5,18 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 
 import torch
 
 from .budget import plan_batch
-from .cost_curve import CostCurve, ObservedCost
+from .cost_curve import ObservedCost
 from .cache import keep_rows_batched, keep_sequences
 from .config import LookaheadConfig
 from .layout import pack_batch
-from .recycle import RecycleTable
+from .request import DecodeRequest
 from .scores import padded_tail_logits, step_outputs
 from .sequence import Sequence
 from .stats import DecodeStats
-
-
-@dataclass
-class DecodeRequest:
-    """What one decoding run needs from `generate` (all prepared by transformers).
-
-    input_ids: [B, L] prompts (left-padded when B > 1); prompt_kwargs: the model kwargs for the prefill forward
-    (cache, attention mask, position ids, ...); logits_processor / stopping_criteria: HF lists; max_length:
-    prompt + new tokens cap; streamer: optional HF streamer that receives committed tokens (B = 1 only);
-    shared_drafter: optional cross-request drafter (see `drafters.SharedDrafter`); cost_curve: the model's
-    measured cost curve (None = verify the whole tree and window every step); batch_cost_curve: the curve
-    measured at the request's batch size (batches only; used while more than one sequence runs); do_sample:
-    sample instead of greedy; draft_model: optional small causal LM with the target's vocabulary (checked by
-    the caller) that drafts a chain each step; pad_finished: a sequence stops at its stopping criteria and is
-    padded with `pad_token_id` (HF does this when an EOS criterion exists; otherwise a stopped row keeps
-    generating until every row has stopped); recycle_table: the token-recycling table the generation reads
-    and refreshes (shared across calls; None = a private one); record_scores: keep every generated token's
-    raw logits and processed scores for `Decoder.step_outputs`; copies: `num_return_sequences` (transformers
-    has already repeated each prompt into that many adjacent rows of `input_ids` and `prompt_kwargs`).
-    """
-
-    input_ids: torch.Tensor
-    prompt_kwargs: dict
-    logits_processor: object
-    stopping_criteria: object
-    max_length: int
-    streamer: object = None
-    shared_drafter: object = None
-    cost_curve: CostCurve | None = None
-    batch_cost_curve: CostCurve | None = None
-    do_sample: bool = False
-    draft_model: object = None
-    pad_finished: bool = True
-    pad_token_id: int | None = None
-    recycle_table: RecycleTable | None = None
-    record_scores: bool = False
-    copies: int = 1
 
 
 class Decoder:

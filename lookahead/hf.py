@@ -22,11 +22,12 @@ from .attention import tree_attention
 from .cost_curve import cost_curve_for
 from .cache import check_compactable
 from .config import LookaheadConfig
-from .decoder import DecodeRequest, Decoder
+from .decoder import Decoder
 from .distributed import agreement, leader_value
 from .draft_model import check_draft_model
 from .packed_linear import packed_linears
 from .recycle import RecycleTable
+from .request import DecodeRequest
 from .stats import DecodeStats
 
 _UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")

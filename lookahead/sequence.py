@@ -12,6 +12,7 @@ from .draft_model import ModelDrafter
 from .drafters import DRAFT_MODEL, POOL, SOURCE_DRAFTER, Drafters
 from .jacobi import JacobiWindow
 from .layout import RowDrafts
+from .request import DecodeRequest
 from .rules import make_rule
 from .scores import ScoreRecord
 from .stats import AcceptedDrafts
@@ -29,7 +30,7 @@ class Sequence:
     """
 
     def __init__(self, index: int, prompt: np.ndarray, hidden: torch.Tensor | None, root_position: int,
-                 config: LookaheadConfig, request, vocab_size: int, use_window: bool):
+                 config: LookaheadConfig, request: DecodeRequest, vocab_size: int, use_window: bool):
         self.index, self.config, self.request = index, config, request
         self.ids = np.zeros(request.max_length + config.max_draft_len + 1, dtype=np.int64)  # committed text
         self.ids[: len(prompt)] = prompt
