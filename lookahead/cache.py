@@ -4,36 +4,59 @@ batch), drop the rest; drop finished sequences from a batch."""
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer,
+                                      get_layer_types_and_kwargs)
 
 
-def check_compactable(cache: Cache, max_slots: int, batch_size: int = 1) -> None:
-    """Raise `ValueError` unless lookahead can drop arbitrary rows of `cache` in place.
+def make_compactable(cache: Cache, config, max_slots: int, batch_size: int = 1) -> None:
+    """Make `cache` (the one `generate` prepared for a model with config `config`) one whose rows lookahead can
+    drop in place, or raise `ValueError`.
 
-    That holds for a `DynamicCache` whose layers grow without limit, and for sliding-window layers while the
-    generation (at most `max_slots` cached slots, verification rows included) fits inside the window, where
-    sliding-window attention equals full attention. Static, quantized and offloaded caches are refused.
+    Every layer must keep all its slots, so that slot indices and compaction are the same in every layer: a
+    `DynamicCache`'s sliding-window layers (which evict what leaves the window) are replaced, in place, by plain
+    growing layers holding the same states, and the window is applied by the step's attention masks instead
+    (`layout.SlidingWindow`); sliding layers cost full-length memory then. Chunked-attention layers stay, exact
+    only while the generation (at most `max_slots` slots, verification rows included) fits in one chunk, at batch
+    size 1. Static, quantized and offloaded caches, and a cache whose sliding layers already evicted, are refused.
     """
     if not isinstance(cache, DynamicCache):
         raise ValueError(f"lookahead needs a DynamicCache, got {type(cache).__name__}; "
                          "remove cache_implementation= / past_key_values= from the generate call")
-    for layer in cache.layers:
-        if type(layer) is DynamicSlidingWindowLayer:
-            _check_sliding_window(layer.sliding_window, max_slots, batch_size)
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    for i, layer in enumerate(cache.layers):
+        kind = layer_types[i] if i < len(layer_types) else "full_attention"
+        if type(layer) is DynamicSlidingWindowLayer and kind == "sliding_attention":
+            cache.layers[i] = _growing_copy(layer)
+        elif type(layer) is DynamicSlidingWindowLayer:
+            _check_chunk(layer.sliding_window, max_slots, batch_size)
         elif type(layer) is not DynamicLayer:
             raise ValueError(f"lookahead cannot compact cache layers of type {type(layer).__name__}; "
                              "use plain model.generate for this model")
 
 
-def _check_sliding_window(window: int, max_slots: int, batch_size: int) -> None:
-    """Sliding-window layers are exact only while nothing slides out of the window."""
+def _growing_copy(layer: DynamicSlidingWindowLayer) -> DynamicLayer:
+    """A `DynamicLayer` holding the states of `layer`, which must not have evicted any yet."""
+    full = DynamicLayer()
+    if not layer.is_initialized:
+        return full
+    if layer.get_seq_length() != layer.keys.shape[-2]:
+        raise ValueError(f"past_key_values holds a sliding-window layer that has dropped tokens (it saw "
+                         f"{layer.get_seq_length()}, keeps {layer.keys.shape[-2]}); lookahead needs every token "
+                         "cached: pass DynamicCache() (no config) or no cache")
+    full.lazy_initialization(layer.keys, layer.values)
+    full.keys, full.values = layer.keys, layer.values
+    return full
+
+
+def _check_chunk(chunk: int, max_slots: int, batch_size: int) -> None:
+    """Chunked-attention layers are exact only while nothing leaves the first chunk."""
     if batch_size > 1:
-        raise ValueError("lookahead supports sliding-window attention only with batch size 1 (batched sequences "
-                         "leave hole slots that count against the window); generate one prompt at a time")
-    if max_slots > window - 1:
-        raise ValueError(f"this model uses sliding-window attention (window {window}); lookahead supports it only "
-                         f"while the whole generation fits in the window, but this one may need {max_slots} cache "
-                         f"slots (prompt + new tokens + verification rows): lower max_new_tokens or tree_budget, "
+        raise ValueError("lookahead supports chunked attention only with batch size 1 (batched sequences leave "
+                         "hole slots that count against the chunk); generate one prompt at a time")
+    if max_slots > chunk - 1:
+        raise ValueError(f"this model uses chunked attention (chunk {chunk}); lookahead supports it only while the "
+                         f"whole generation fits in one chunk, but this one may need {max_slots} cache slots "
+                         f"(prompt + new tokens + verification rows): lower max_new_tokens or tree_budget, "
                          "or use plain model.generate")
 
 
@@ -94,7 +117,7 @@ def keep_sequences(cache: Cache, sequences: list[int]) -> None:
 
 
 def _sync_length(layer) -> None:
-    """A sliding-window layer counts the tokens it has seen; after a gather that is its slot count (it never
-    slid: `check_compactable`)."""
+    """A chunked-attention layer counts the tokens it has seen; after a gather that is its slot count (it never
+    left its first chunk: `make_compactable`)."""
     if isinstance(layer, DynamicSlidingWindowLayer):
         layer.cumulative_length = layer.keys.shape[-2]

@@ -220,10 +220,13 @@ def _measure_at(model, sizes: tuple[int, ...], prefix_len: int, repeats: int, ba
     """(monotone ratios, one-row seconds) on a `prefix_len` cache."""
     from transformers import DynamicCache
 
+    from .cache import make_compactable  # imports transformers, as the line above
+
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (batch, prefix_len), generator=generator).to(model.device)
     cache = DynamicCache(config=model.config)
+    make_compactable(cache, model.config, max_slots=0)  # as generation keeps it: sliding layers keep every slot
     model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
     for k in sizes:  # warm-up: first calls of a shape pay for kernel selection and allocation
         _time_rows(model, cache, prefix_len, k, vocab)

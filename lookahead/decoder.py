@@ -12,7 +12,7 @@ from .budget import plan_batch
 from .cost_curve import ObservedCost
 from .cache import keep_rows_batched, keep_sequences
 from .config import LookaheadConfig
-from .layout import pack_batch
+from .layout import pack_batch, sliding_window
 from .request import DecodeRequest
 from .scores import padded_tail_logits, step_outputs
 from .sequence import Sequence
@@ -32,6 +32,7 @@ class Decoder:
         self.cut_at_stop = request.pad_finished or request.input_ids.shape[0] == 1
         batch = request.input_ids.shape[0]
         self.observed = ObservedCost(request.batch_cost_curve if batch > 1 else request.cost_curve)
+        self.window = sliding_window(model.config)  # the step masks apply it (the cache keeps every slot)
 
     @torch.no_grad()
     def run(self) -> torch.Tensor:
@@ -91,7 +92,7 @@ class Decoder:
         sequences = [self.sequences[i] for i in self.active]
         trees, windows = self._plan(sequences)
         inputs = pack_batch([s.row_drafts(t, w) for s, t, w in zip(sequences, trees, windows)], self.prefix_len,
-                            self.model.dtype, self.device)
+                            self.model.dtype, self.device, self.window)
         t1 = time.perf_counter()
         logits = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
                             attention_mask=inputs.attention_mask, past_key_values=self.cache,

@@ -20,7 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .attention import tree_attention
 from .cost_curve import cost_curve_for
-from .cache import check_compactable
+from .cache import make_compactable
 from .config import LookaheadConfig
 from .decoder import Decoder
 from .distributed import agreement, leader_value
@@ -71,7 +71,7 @@ class Lookahead:
         """The body of `__call__`, run with the linear layers chosen by the config."""
         _check_generation_config(generation_config, input_ids)
         max_slots = generation_config.max_length + self.config.tree_budget + self.config.window_size
-        check_compactable(model_kwargs.get("past_key_values"), max_slots, input_ids.shape[0])  # before any forward
+        make_compactable(model_kwargs.get("past_key_values"), model.config, max_slots, input_ids.shape[0])
         if self.draft_model is not None:
             check_draft_model(model, self.draft_model)
         if lookahead_streamer is not None:

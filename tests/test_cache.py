@@ -2,16 +2,17 @@
 random Llama / Qwen2 in fp64, `keep_rows` for an accepted path leaves a cache that gives the same logits and
 K/V as a fresh prefill of the committed tokens, for a contiguous path (crop branch) and a non-contiguous one
 (gather branch). Also: the tree forward's per-node logits equal sequential forwards, exact `keep_rows`
-semantics on a synthetic cache, and `check_compactable` refusals."""
+semantics on a synthetic cache, and `make_compactable` (sliding layers made growing, refusals)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, MistralConfig, Qwen2Config, StaticCache
+from transformers import DynamicCache, Llama4TextConfig, LlamaConfig, MistralConfig, Qwen2Config, StaticCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from lookahead.cache import check_compactable, keep_rows
+from lookahead.cache import keep_rows, make_compactable
 from lookahead.jacobi import JacobiWindow
 from lookahead.layout import pack
 from lookahead.tree import DraftTree
@@ -159,27 +160,55 @@ def test_keep_rows_with_empty_prefix():
     assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0.0, 1.0]
 
 
-# ---------------------------------------------------------------- check_compactable
+# ---------------------------------------------------------------- make_compactable
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
+MISTRAL_SLIDING = MistralConfig(**SMALL, sliding_window=8)
+LLAMA4_CHUNKED = Llama4TextConfig(**SMALL, attention_chunk_size=8)
 
 
-def test_check_compactable_accepts_dynamic_caches():
-    check_compactable(DynamicCache(), 10_000, batch_size=4)
-    check_compactable(DynamicCache(config=LlamaConfig(**SMALL)), 10_000)
-    check_compactable(DynamicCache(config=Qwen2Config(**SMALL)), 10_000)
-    check_compactable(DynamicCache(config=MistralConfig(**SMALL, sliding_window=8)), 7)  # fits the window
+@pytest.mark.parametrize("config", [None, LlamaConfig(**SMALL), Qwen2Config(**SMALL), MISTRAL_SLIDING,
+                                    Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8,
+                                                max_window_layers=1)],
+                         ids=["no-config", "llama", "qwen2", "mistral-sliding", "qwen2-mixed-sliding"])
+def test_make_compactable_leaves_only_growing_layers(config):
+    cache = DynamicCache(config=config)
+    make_compactable(cache, config or LlamaConfig(**SMALL), 10_000, batch_size=4)
+    assert all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
-@pytest.mark.parametrize("make, slots, batch, message", [
-    (lambda: StaticCache(config=LlamaConfig(**SMALL), max_cache_len=32), 8, 1, "DynamicCache"),
-    (lambda: DynamicCache(config=MistralConfig(**SMALL, sliding_window=8)), 8, 1, "window 8"),
-    (lambda: DynamicCache(config=MistralConfig(**SMALL, sliding_window=8)), 4, 2, "batch size 1"),
-    (lambda: DynamicCache(config=Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8,
-                                             max_window_layers=1)), 8, 1, "window 8"),
-    (lambda: ((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)),), 8, 1, "DynamicCache"),  # legacy tuple cache
-], ids=["static", "mistral-sliding", "sliding-batch", "qwen2-mixed-sliding", "legacy-tuple"])  # fmt: skip
-def test_check_compactable_refuses(make, slots, batch, message):
+def test_sliding_layers_become_growing_layers_holding_the_same_states():
+    cache = DynamicCache(config=MISTRAL_SLIDING)
+    states = torch.randn(1, 2, 6, 8)
+    cache.layers[0].update(states, -states)
+    make_compactable(cache, MISTRAL_SLIDING, 10_000, batch_size=3)
+    assert [type(layer) for layer in cache.layers] == [DynamicLayer, DynamicLayer]
+    assert torch.equal(cache.layers[0].keys, states) and torch.equal(cache.layers[0].values, -states)
+    assert not cache.layers[1].is_initialized
+
+
+def test_chunked_layers_stay_while_the_generation_fits_one_chunk():
+    cache = DynamicCache(config=LLAMA4_CHUNKED)
+    make_compactable(cache, LLAMA4_CHUNKED, 7)
+    assert all(type(layer) is DynamicSlidingWindowLayer for layer in cache.layers)
+
+
+def slid_cache() -> DynamicCache:
+    """A sliding-window cache that saw 11 tokens and keeps the last 7."""
+    cache = DynamicCache(config=MISTRAL_SLIDING)
+    cache.layers[0].update(torch.randn(1, 2, 11, 8), torch.randn(1, 2, 11, 8))
+    return cache
+
+
+@pytest.mark.parametrize("make, config, slots, batch, message", [
+    (lambda: StaticCache(config=LlamaConfig(**SMALL), max_cache_len=32), LlamaConfig(**SMALL), 8, 1, "DynamicCache"),
+    (lambda: DynamicCache(config=LLAMA4_CHUNKED), LLAMA4_CHUNKED, 8, 1, "chunk 8"),
+    (lambda: DynamicCache(config=LLAMA4_CHUNKED), LLAMA4_CHUNKED, 4, 2, "batch size 1"),
+    (slid_cache, MISTRAL_SLIDING, 8, 1, r"dropped tokens \(it saw 11, keeps 7\)"),
+    (lambda: ((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)),), LlamaConfig(**SMALL), 8, 1,
+     "DynamicCache"),  # legacy tuple cache
+], ids=["static", "chunked", "chunked-batch", "slid", "legacy-tuple"])  # fmt: skip
+def test_make_compactable_refuses(make, config, slots, batch, message):
     with pytest.raises(ValueError, match=message):
-        check_compactable(make(), slots, batch)
+        make_compactable(make(), config, slots, batch)

@@ -28,6 +28,14 @@ def test_measure_cost_curve_on_a_tiny_model_at_two_cache_lengths():
         assert list(ratios) == sorted(ratios)  # made non-decreasing in k
 
 
+def test_measuring_a_sliding_window_model_past_its_window():
+    """The measurement caches keep every slot, as generation does (a sliding-window cache would evict, and its
+    rows could not be cropped back)."""
+    model = build_tiny_model("mistral", dtype=torch.float32, sliding_window=8)
+    curve = measure_cost_curve(model, sizes=(1, 2, 4), prefixes=(16, 48), repeats=1)
+    assert curve.prefix_len == 16 and curve.ratios[0] == 1.0
+
+
 def test_cost_curve_for_caches_on_disk_and_in_memory(tmp_path, monkeypatch):
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
     monkeypatch.setattr(cost_curve, "_MEMORY", {})
