@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,6 +18,25 @@ from .request import DecodeRequest
 from .scores import padded_tail_logits, step_outputs
 from .sequence import Sequence
 from .stats import DecodeStats
+from .tree import DraftTree
+from .verify import Verdict
+
+
+@dataclass(frozen=True)
+class SequenceStep:
+    """One sequence's part of a step: its planned tree and whether its window runs; once verified, the rule's
+    verdict on the tree and the tokens committed (a prefix of `verdict.tokens`)."""
+
+    sequence: Sequence
+    tree: DraftTree
+    use_window: bool
+    verdict: Verdict | None = None
+    committed: list[int] | None = None
+
+    @property
+    def kept_nodes(self) -> list[int]:
+        """The tree nodes whose cache slots stay: the path of the committed tokens, root first."""
+        return self.verdict.path[: len(self.committed)]
 
 
 class Decoder:
@@ -90,8 +110,8 @@ class Decoder:
         """One speculative step of every active sequence in ONE forward."""
         t0 = time.perf_counter()
         sequences = [self.sequences[i] for i in self.active]
-        trees, windows = self._plan(sequences)
-        inputs = pack_batch([s.row_drafts(t, w) for s, t, w in zip(sequences, trees, windows)], self.prefix_len,
+        steps = [SequenceStep(s, tree, use_window) for s, tree, use_window in zip(sequences, *self._plan(sequences))]
+        inputs = pack_batch([s.sequence.row_drafts(s.tree, s.use_window) for s in steps], self.prefix_len,
                             self.model.dtype, self.device, self.window)
         t1 = time.perf_counter()
         logits = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
@@ -99,23 +119,26 @@ class Decoder:
                             use_cache=True, return_dict=True).logits  # [B, T, V]
         t2 = time.perf_counter()
         limit = self._limit()
-        verdicts, committed = [], []
-        for b, (sequence, tree) in enumerate(zip(sequences, trees)):
-            verdicts.append(sequence.verify(tree, logits[b, : inputs.n_tree[b]]))
-            committed.append(sequence.commit(verdicts[-1].tokens, limit, self.cut_at_stop))
-        width = keep_rows_batched(self.cache, self.prefix_len, [v.path[: len(c)] for v, c in zip(verdicts, committed)])
-        for b, sequence in enumerate(sequences):
-            window_logits = logits[b, inputs.n_tree[b]:] if windows[b] else None
-            sequence.advance(committed[b], windows[b], window_logits, self.prefix_len, width)
-            self._stream(committed[b])
-            self.stats.record_step(len(committed[b]), inputs.input_ids.shape[1],
-                                   sequence.accepted_sources(trees[b], verdicts[b], len(committed[b])))
+        steps = [self._verify(step, logits[b, : inputs.n_tree[b]], limit) for b, step in enumerate(steps)]
+        width = keep_rows_batched(self.cache, self.prefix_len, [s.kept_nodes for s in steps])
+        for b, step in enumerate(steps):
+            window_logits = logits[b, inputs.n_tree[b]:] if step.use_window else None
+            step.sequence.advance(step.committed, step.use_window, window_logits, self.prefix_len, width)
+            self._stream(step.committed)
+            self.stats.record_step(len(step.committed), inputs.input_ids.shape[1],
+                                   step.sequence.accepted_sources(step.tree, step.verdict, len(step.committed)))
         self.prefix_len += width
         self._retire()
         self.stats.draft_time += t1 - t0
         self.stats.forward_time += t2 - t1
         self.observed.record(inputs.input_ids.shape[1], t2 - t1)
         self.stats.verify_time += time.perf_counter() - t2
+
+    def _verify(self, step: SequenceStep, logits: torch.Tensor, limit: int) -> SequenceStep:
+        """`step` with the rule's verdict on its tree rows' raw logits [N, V] and the tokens it commits (the text
+        never grows past length `limit`)."""
+        verdict = step.sequence.verify(step.tree, logits)
+        return replace(step, verdict=verdict, committed=step.sequence.commit(verdict.tokens, limit, self.cut_at_stop))
 
     def _plan(self, sequences: list[Sequence]) -> tuple[list, list[bool]]:
         """Each sequence's pruned tree and whether its window runs: the planner's choice for one sequence,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -41,10 +42,15 @@ def tp_run(tmp_path_factory):
 def _torchrun(args: list[str], env: dict) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run --standalone --nproc-per-node 2 ARGS`, failing the test on a hang."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # its own process group: a hang is killed with its ranks
     try:
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+        stdout, stderr = launcher.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.communicate()
         pytest.fail(f"the tensor-parallel ranks did not finish within {TIMEOUT} s (a collective hung)")
+    return subprocess.CompletedProcess(cmd, launcher.returncode, stdout, stderr)
 
 
 def test_ranks_commit_identical_greedy_tokens_equal_to_plain_greedy(tp_run):
