@@ -43,12 +43,15 @@ def _torchrun(args: list[str], env: dict) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run --standalone --nproc-per-node 2 ARGS`, failing the test on a hang."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)  # its own process group: a hang is killed with its ranks
+                                start_new_session=True)
     try:
         stdout, stderr = launcher.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
-        os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.communicate()
+        launcher.terminate()  # torchrun passes SIGTERM on to its ranks (each in a session of its own)
+        try:
+            launcher.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
         pytest.fail(f"the tensor-parallel ranks did not finish within {TIMEOUT} s (a collective hung)")
     return subprocess.CompletedProcess(cmd, launcher.returncode, stdout, stderr)
 
