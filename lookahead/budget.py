@@ -2,7 +2,8 @@
 
 Each step the policy ranks the draft-tree nodes by the estimated probability that the verifier accepts the whole
 path to them, and keeps the nodes and window rows that maximise expected committed tokens per unit of cost
-(`cost_curve.CostCurve`).
+(`cost_curve.CostCurve`). `StepPlanner` plans one sequence's step; `BatchPlanner` plans each step of a
+generation (one common tree size for a batch, the curve corrected by the generation's own timed steps).
 
 Why path probabilities: at most one child of a node is accepted (siblings carry distinct tokens), and a node can
 only be accepted once its parent is. So the tokens a tree commits are 1 (the bonus) plus the sum over its nodes of
@@ -17,7 +18,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from .cost_curve import CostCurve
+from .cost_curve import CostCurve, ObservedCost
+from .tree import DraftTree
 
 PROBE_EVERY = 16  # a resting draft model still drafts one token this often
 MAX_DEPTH = 8  # acceptance is estimated per depth 1..MAX_DEPTH; deeper nodes share the last estimate
@@ -200,3 +202,45 @@ def plan_batch(planners: list[StepPlanner], trees: list, curve: CostCurve | None
         if value > best_value * 1.02:  # prefer the cheaper option unless clearly better
             best_value, best_k = value, k
     return [planner.rank(tree).prune(best_k) for planner, tree in zip(planners, trees)]
+
+
+class BatchPlanner:
+    """The plan of every step of one generation of `batch` sequences: each running sequence's pruned tree and
+    whether its window runs, from its `StepPlanner` and its candidate tree.
+
+    curve: the model's cost curve at one sequence; batch_curve: its curve at `batch` sequences (used while more than
+    one sequence runs; None when `batch` is 1); unseeded_sampling: the generation samples without a seed. Without
+    a curve every candidate is verified. The curve is taken at the current cache length and corrected by the
+    generation's own timed steps (`record`), so the first step with a curve is a plain one (the reference time) —
+    except for unseeded sampling at batch size 1, whose random draws must not depend on timings.
+    """
+
+    def __init__(self, curve: CostCurve | None, batch_curve: CostCurve | None, batch: int, unseeded_sampling: bool):
+        self.curve, self.batch_curve, self.batch = curve, batch_curve, batch
+        # Unseeded sampling draws from one generator in step order, so a plan that followed timings would make
+        # `torch.manual_seed` runs differ: it plans on the measured curve alone (at this cache length).
+        self.timed = not (batch == 1 and unseeded_sampling)
+        self.observed = ObservedCost(batch_curve if batch > 1 else curve)
+
+    def record(self, rows: int, seconds: float) -> None:
+        """Add one timed forward of `rows` rows per sequence (`ObservedCost.record`)."""
+        self.observed.record(rows, seconds)
+
+    def plan(self, planners: list[StepPlanner], candidates: list[DraftTree],
+             prefix_len: int) -> list[tuple[DraftTree, bool]]:
+        """(pruned tree, use_window) per running sequence, given their planners and unpruned candidate trees and
+        the cache length `prefix_len`: the planner's choice for one sequence, one common tree size (no windows)
+        for a batch."""
+        if len(planners) == 1 and self.batch > 1:  # the last sequence of a batch: its own curve, uncorrected
+            return [(plan_batch(planners, candidates, self.curve)[0], False)]
+        curve = self.curve if self.batch == 1 else self.batch_curve
+        if self.timed and curve is not None and not self.observed.has_plain:
+            return [(tree.prune(0), False) for tree in candidates]
+        if self.timed:
+            curve = self.observed.corrected(curve, prefix_len)
+        elif curve is not None:
+            curve = curve.at(prefix_len)
+        if self.batch == 1:
+            planners[0].curve = curve
+            return [planners[0].plan(candidates[0])]
+        return [(tree, False) for tree in plan_batch(planners, candidates, curve)]

@@ -9,8 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .budget import plan_batch
-from .cost_curve import ObservedCost
+from .budget import BatchPlanner
 from .cache import keep_rows_batched, keep_sequences
 from .config import LookaheadConfig
 from .layout import pack_batch, sliding_window
@@ -50,8 +49,8 @@ class Decoder:
         self.sequences: list[Sequence] = []
         self.active: list[int] = []  # indices into `sequences`, in the cache's batch order
         self.cut_at_stop = request.pad_finished or request.input_ids.shape[0] == 1
-        batch = request.input_ids.shape[0]
-        self.observed = ObservedCost(request.batch_cost_curve if batch > 1 else request.cost_curve)
+        self.batch_planner = BatchPlanner(request.cost_curve, request.batch_cost_curve, request.input_ids.shape[0],
+                                          request.do_sample and config.seed is None)
         self.window = sliding_window(model.config)  # the step masks apply it (the cache keeps every slot)
 
     @torch.no_grad()
@@ -109,8 +108,7 @@ class Decoder:
     def _step(self) -> None:
         """One speculative step of every active sequence in ONE forward."""
         t0 = time.perf_counter()
-        sequences = [self.sequences[i] for i in self.active]
-        steps = [SequenceStep(s, tree, use_window) for s, tree, use_window in zip(sequences, *self._plan(sequences))]
+        steps = self._plan([self.sequences[i] for i in self.active])
         inputs = pack_batch([s.sequence.row_drafts(s.tree, s.use_window) for s in steps], self.prefix_len,
                             self.model.dtype, self.device, self.window)
         t1 = time.perf_counter()
@@ -131,7 +129,7 @@ class Decoder:
         self._retire()
         self.stats.draft_time += t1 - t0
         self.stats.forward_time += t2 - t1
-        self.observed.record(inputs.input_ids.shape[1], t2 - t1)
+        self.batch_planner.record(inputs.input_ids.shape[1], t2 - t1)
         self.stats.verify_time += time.perf_counter() - t2
 
     def _verify(self, step: SequenceStep, logits: torch.Tensor, limit: int) -> SequenceStep:
@@ -140,31 +138,12 @@ class Decoder:
         verdict = step.sequence.verify(step.tree, logits)
         return replace(step, verdict=verdict, committed=step.sequence.commit(verdict.tokens, limit, self.cut_at_stop))
 
-    def _plan(self, sequences: list[Sequence]) -> tuple[list, list[bool]]:
-        """Each sequence's pruned tree and whether its window runs: the planner's choice for one sequence,
-        one common tree size (no windows) for a batch. The cost curve is taken at the current cache length and
-        corrected by the generation's own timed steps, so the first step with a curve is a plain one (the
-        reference time) — except for unseeded sampling at batch size 1, whose random draws must not depend on
-        timings."""
-        candidates = [s.candidates() for s in sequences]
-        batch = self.request.input_ids.shape[0]
-        if len(sequences) == 1 and batch > 1:  # the last row of a batch: its own curve, uncorrected
-            return plan_batch([sequences[0].planner], candidates, self.request.cost_curve), [False]
-        curve = self.request.cost_curve if batch == 1 else self.request.batch_cost_curve
-        timed = not (batch == 1 and self.request.do_sample and self.config.seed is None)
-        # Unseeded sampling draws from one generator in step order, so a plan that followed timings would make
-        # `torch.manual_seed` runs differ: it plans on the measured curve alone (at this cache length).
-        if timed and curve is not None and not self.observed.has_plain:
-            return [tree.prune(0) for tree in candidates], [False] * len(sequences)
-        if timed:
-            curve = self.observed.corrected(curve, self.prefix_len)
-        elif curve is not None:
-            curve = curve.at(self.prefix_len)
-        if batch == 1:
-            sequences[0].planner.curve = curve
-            tree, use_window = sequences[0].planner.plan(candidates[0])
-            return [tree], [use_window]
-        return plan_batch([s.planner for s in sequences], candidates, curve), [False] * len(sequences)
+    def _plan(self, sequences: list[Sequence]) -> list[SequenceStep]:
+        """Each sequence's step as the batch planner plans it from the sequence's candidates
+        (`budget.BatchPlanner.plan`)."""
+        plans = self.batch_planner.plan([s.planner for s in sequences], [s.candidates() for s in sequences],
+                                        self.prefix_len)
+        return [SequenceStep(s, tree, use_window) for s, (tree, use_window) in zip(sequences, plans)]
 
     def _limit(self) -> int:
         """The length no sequence may pass: `max_length`, or once every sequence has stopped, the longest
