@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -24,48 +25,58 @@ DraftPick = Callable[[torch.Tensor, int], tuple[int, "torch.Tensor | None"]]
 Process = Callable[[np.ndarray, torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class DraftChain:
+    """A chain the draft model proposed: `tokens` [k] int64 and, per token, the distribution q [V] it was sampled
+    from (`probs`; None for a deterministic pick)."""
+
+    tokens: np.ndarray
+    probs: tuple[torch.Tensor | None, ...] = ()
+
+
+NO_CHAIN = DraftChain(np.zeros(0, dtype=np.int64))
+
+
 class ModelDrafter:
     """Proposes a chain of up to `length` tokens from `model`, continuing the committed text.
 
     pick: chooses each draft token from the draft's processed scores (argmax, a sample from q, or the seeded
     Gumbel-max draw); process: applies the generation config's logits processors to the draft's logits with the
     draft's own prefix (so q resembles the target's processed distribution), or None; skip: leading
-    committed tokens the draft never sees (left padding). After `propose`, `last_probs[i]` is the q that chain
-    token i was sampled from (None for deterministic picks).
+    committed tokens the draft never sees (left padding).
     """
 
     def __init__(self, model, length: int, pick: DraftPick, process: Process | None = None, skip: int = 0):
         self.model, self.length, self.pick, self.process, self.skip = model, length, pick, process, skip
         self.cache = DynamicCache()
         self.cached = np.zeros(0, dtype=np.int64)  # the tokens whose K/V the draft cache holds, in order
-        self.last_probs: list[torch.Tensor | None] = []
         self.seconds_per_token: float | None = None  # running mean time to draft one token
 
     @torch.no_grad()
-    def propose(self, text: np.ndarray, max_len: int) -> np.ndarray:
+    def propose(self, text: np.ndarray, max_len: int) -> DraftChain:
         """A chain continuing `text` ([n] int64, the committed text ending with the root) of at most
-        `min(length, max_len)` tokens ([k] int64)."""
+        `min(length, max_len)` tokens, with the q each token was sampled from."""
         n = min(self.length, max_len)
-        self.last_probs = []
         if n <= 0:
-            return np.zeros(0, dtype=np.int64)
+            return NO_CHAIN
         start = time.perf_counter()
         visible = text[self.skip:]
         keep = min(_common_prefix(self.cached, visible), len(visible) - 1)  # feed at least the root
         self._rollback(keep)
         logits = self._forward(visible[keep:])
         chain: list[int] = []
+        probs: list[torch.Tensor | None] = []
         for i in range(n):
             token, q = self.pick(self._scores(text, chain, logits), len(text) + i)
             chain.append(token)
-            self.last_probs.append(q)
+            probs.append(q)
             if i + 1 < n:
                 logits = self._forward(np.asarray([token], dtype=np.int64))
         self.cached = np.concatenate([visible, np.asarray(chain[:-1], dtype=np.int64)])
         seconds = leader_value((time.perf_counter() - start) / n)  # tensor-parallel ranks: rank 0's speed
         self.seconds_per_token = seconds if self.seconds_per_token is None else \
             0.8 * self.seconds_per_token + 0.2 * seconds
-        return np.asarray(chain, dtype=np.int64)
+        return DraftChain(np.asarray(chain, dtype=np.int64), tuple(probs))
 
     def _rollback(self, keep: int) -> None:
         """Drop cached slots beyond the first `keep` (the rejected part of the last chain)."""

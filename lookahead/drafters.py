@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .config import LookaheadConfig
-from .draft_model import ModelDrafter
+from .draft_model import NO_CHAIN, ModelDrafter
 from .ngram_pool import NGramPool
 from .prompt_lookup import PromptLookup
 from .recycle import RecycleDrafter, RecycleTable
@@ -44,7 +44,7 @@ class Drafters:
         model_drafter: optional draft model (its chain is ranked first); recycle_table: a token-recycling table
         shared with other generations (None: a private one; unused when `config.recycle_nodes` is 0)."""
         self.config, self.shared, self.model_drafter = config, shared, model_drafter
-        self._chain = np.zeros(0, dtype=np.int64)
+        self._chain = NO_CHAIN  # the draft model's chain of the current step
         self.prompt = PromptLookup(max_ngram=config.prompt_max_ngram, min_ngram=config.prompt_min_ngram) \
             if config.prompt_candidates else None
         self.pool = NGramPool(n=config.pool_ngram_size, max_keys=config.pool_max_keys,
@@ -82,19 +82,17 @@ class Drafters:
         rests). `estimates` [n_sources, D]: the planner's conditional acceptance per source and depth, which
         shapes the recycled draft (None: a fixed prior). The caller ranks and prunes the tree."""
         paths, sources = [], []
-        self._chain = np.zeros(0, dtype=np.int64)
-        if self.model_drafter is not None:
-            self.model_drafter.last_probs = []
+        self._chain = NO_CHAIN
         if max_len > 0 and self.config.tree_budget > 0:
             chain_len = self.config.draft_tokens if chain_len is None else chain_len
             if self.model_drafter is not None and chain_len > 0:
                 self._chain = self.model_drafter.propose(self._text, min(max_len, chain_len))
-                paths.append(self._chain)
+                paths.append(self._chain.tokens)
                 sources.append(DRAFT_MODEL)
             if self.prompt is not None:
                 found = self.prompt.propose(self.config.prompt_candidates, max_len)
-                paths += found
-                sources += [PROMPT + min(int(k), PROMPT_SOURCES) - 1 for k in self.prompt.last_match_lengths]
+                paths += found.paths
+                sources += [PROMPT + min(int(k), PROMPT_SOURCES) - 1 for k in found.match_lengths]
             if self.pool is not None:
                 found = self.pool.lookup(root, self.config.pool_candidates)
                 paths += [p[:max_len] for p in found]
@@ -122,8 +120,7 @@ class Drafters:
         token, the q it was sampled from)}. Empty when the chain was picked deterministically or not drafted."""
         out: SampledDrafts = {}
         node = 0
-        probs = self.model_drafter.last_probs if self.model_drafter is not None else []
-        for token, q in zip(self._chain.tolist(), probs):
+        for token, q in zip(self._chain.tokens.tolist(), self._chain.probs):
             child = tree.children[node].get(token)
             if q is None or child is None:
                 break

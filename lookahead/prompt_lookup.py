@@ -7,6 +7,8 @@ position whose ``min_ngram``-gram hashes like the text's current one.
 The numba kernel below is a pure function of these arrays; the class only validates input and owns them.
 """
 
+from dataclasses import dataclass
+
 import numba
 import numpy as np
 
@@ -39,6 +41,15 @@ def _search(tokens, length, min_n, max_n, prev, occ_pos, occ_len, out, out_len, 
     return rank_candidates(tokens, length, occ_pos, occ_len, n_occ, max_n, min_n, out, out_len, out_first, out_match)
 
 
+@dataclass(frozen=True)
+class Matches:
+    """What `PromptLookup.propose` found: the candidates (`paths`, each a [1..max_len] int64 array) and the
+    match length of each (`match_lengths`: [c] int64)."""
+
+    paths: list[np.ndarray]
+    match_lengths: np.ndarray
+
+
 class PromptLookup:
     """Incremental prompt-lookup drafter over the committed text (prompt + output).
 
@@ -63,7 +74,6 @@ class PromptLookup:
         _search(self._tokens, 0, self.min_ngram, self.max_ngram, self._prev, self._occ_pos,
                 self._occ_len, np.zeros((1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64),
                 np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
-        self.last_match_lengths = np.zeros(0, dtype=np.int64)  # [c] match length of each last proposal
 
     def _allocate(self, capacity: int) -> None:
         """(Re)allocate buffers for ``capacity`` tokens, keep the text and rebuild the index over it."""
@@ -99,15 +109,15 @@ class PromptLookup:
         self._length = stop
         self._index(start, stop)
 
-    def propose(self, max_candidates: int, max_len: int) -> list[np.ndarray]:
+    def propose(self, max_candidates: int, max_len: int) -> Matches:
         """Return up to ``max_candidates`` draft continuations of the text, each a ``[1..max_len]`` int64
-        array (rows of a buffer allocated for this call, never aliasing the drafter's state).
+        array (rows of a buffer allocated for this call, never aliasing the drafter's state), with their match
+        lengths.
 
         Ranking: qualifying occurrences (see the class docstring) by match length, longest first, then by
         end position, most recent first. Walking that order, a candidate is skipped if it equals or is a
         prefix of a candidate already returned; the walk stops after ``max_candidates`` are returned. So
-        the best occurrence's candidate is always first, and ``[]`` means no occurrence qualifies.
-        Afterwards ``last_match_lengths`` ([c] int64) holds each returned candidate's match length.
+        the best occurrence's candidate is always first, and empty ``paths`` mean no occurrence qualifies.
         Raises ValueError naming ``max_candidates`` (< 0) or ``max_len`` (< 1).
         """
         max_candidates = check_int("max_candidates", max_candidates, 0)
@@ -118,8 +128,7 @@ class PromptLookup:
         out_match = np.empty(max_candidates, dtype=np.int64)  # [max_candidates]
         count = _search(self._tokens, self._length, self.min_ngram, self.max_ngram, self._prev,
                         self._occ_pos, self._occ_len, out, out_len, out_first, out_match)
-        self.last_match_lengths = out_match[:count].copy()
-        return [out[i, :n] for i, n in enumerate(out_len[:count].tolist())]
+        return Matches([out[i, :n] for i, n in enumerate(out_len[:count].tolist())], out_match[:count])
 
     def __len__(self) -> int:
         """Number of tokens in the text."""

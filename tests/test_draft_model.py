@@ -76,8 +76,8 @@ def test_drafter_rolls_its_cache_back_to_the_committed_text(target):
     reused = ModelDrafter(draft, 5, pick)
 
     def check(text):
-        chain = reused.propose(text, 5)
-        assert chain.tolist() == ModelDrafter(draft, 5, pick).propose(text, 5).tolist()
+        chain = reused.propose(text, 5).tokens
+        assert chain.tolist() == ModelDrafter(draft, 5, pick).propose(text, 5).tokens.tolist()
         assert reused.cache.get_seq_length() == len(reused.cached) == len(text) + len(chain) - 1
         return chain
 
@@ -95,7 +95,7 @@ def test_drafter_respects_max_len_and_skip(target):
     pick = lambda scores, index: (int(scores.argmax()), None)  # noqa: E731
     text = repetitive_prompt(1)[0].numpy()
     drafter = ModelDrafter(target, 6, pick, skip=3)
-    assert len(drafter.propose(text, 2)) == 2 and len(drafter.propose(text, 0)) == 0
+    assert len(drafter.propose(text, 2).tokens) == 2 and len(drafter.propose(text, 0).tokens) == 0
     assert drafter.cache.get_seq_length() == len(text) - 3 + 1
 
 

@@ -39,7 +39,7 @@ def as_tuples(candidates):
 def propose(text, max_candidates=8, max_len=3, max_ngram=4, min_ngram=1):
     drafter = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
     drafter.extend(text)
-    return as_tuples(drafter.propose(max_candidates, max_len))
+    return as_tuples(drafter.propose(max_candidates, max_len).paths)
 
 
 # (text, propose kwargs, expected candidates)
@@ -96,15 +96,23 @@ def test_growth_keeps_text_and_index():
     for chunk in np.array_split(text, 37):
         drafter.extend(chunk)
     assert len(drafter) == 300
-    assert as_tuples(drafter.propose(6, 5)) == reference_propose(text.tolist(), 1, 4, 6, 5)
+    assert as_tuples(drafter.propose(6, 5).paths) == reference_propose(text.tolist(), 1, 4, 6, 5)
 
 
 def test_propose_does_not_alias_the_text():
     drafter = PromptLookup()
     drafter.extend([1, 2, 3, 1])
-    drafter.propose(1, 3)[0][:] = 9
-    assert as_tuples(drafter.propose(1, 3)) == [(2, 3, 1)]
+    drafter.propose(1, 3).paths[0][:] = 9
+    assert as_tuples(drafter.propose(1, 3).paths) == [(2, 3, 1)]
 
+
+
+def test_propose_returns_each_candidates_match_length():
+    drafter = PromptLookup()
+    drafter.extend([5, 1, 2, 9, 7, 2, 4, 1, 2])
+    found = drafter.propose(4, 3)
+    assert as_tuples(found.paths) == [(9, 7, 2), (4, 1, 2)] and found.match_lengths.tolist() == [2, 1]
+    assert drafter.propose(0, 3).match_lengths.tolist() == []
 
 def test_extend_accepts_lists_arrays_and_empty():
     drafter = PromptLookup()
@@ -113,7 +121,7 @@ def test_extend_accepts_lists_arrays_and_empty():
     drafter.extend([3, 4])
     drafter.extend(np.array([3], dtype=np.uint16))
     assert len(drafter) == 3
-    assert as_tuples(drafter.propose(2, 2)) == [(4, 3)]
+    assert as_tuples(drafter.propose(2, 2).paths) == [(4, 3)]
 
 
 @settings(max_examples=300, deadline=None)
@@ -135,7 +143,7 @@ def test_matches_reference(data, vocab, min_ngram, extra_ngram, capacity, max_ca
     for cut in cuts + [len(text)]:
         drafter.extend(text[done:cut])
         done = cut
-        got = as_tuples(drafter.propose(max_candidates, max_len))
+        got = as_tuples(drafter.propose(max_candidates, max_len).paths)
         assert got == reference_propose(text[:cut], min_ngram, max_ngram, max_candidates, max_len)
         assert len(drafter) == cut
 
