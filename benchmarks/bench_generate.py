@@ -300,7 +300,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Run the suite from the command line; print the markdown tables and write the JSON (and plots)."""
     args = parse_args(argv)
-    from lookahead.cost_curve import cost_curve_for
+    from lookahead.calibration import cost_curve_for
     from lookahead.models import load_draft
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]

@@ -20,7 +20,7 @@ def calibrate(model_path, refresh, packed, attention) -> None:
     """Print t(k)/t(1) for verifying k rows (at each measured cache length) and how many draft tokens a step
     verifies at each acceptance rate."""
     from lookahead.budget import best_row_count
-    from lookahead.cost_curve import cost_curve_for
+    from lookahead.calibration import cost_curve_for
     from lookahead.models import ModelLoadError, load_model
     from lookahead.config import LookaheadConfig
     from lookahead.hf import generation_arithmetic

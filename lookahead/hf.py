@@ -19,8 +19,8 @@ from transformers.generation.stopping_criteria import StopStringCriteria, Stoppi
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .attention import tree_attention
-from .cost_curve import cost_curve_for
 from .cache import make_compactable
+from .calibration import cost_curve_for
 from .config import LookaheadConfig
 from .decoder import Decoder
 from .distributed import agreement, leader_value

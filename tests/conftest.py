@@ -27,7 +27,7 @@ def tiny_model():
 
 # Tests never measure a cost curve on the machine running them: generation plans on this injected curve (shaped
 # like the goal on a CPU: 8 rows ~1.2x, 16 rows ~1.4x a one-row step). Tests of the measurement itself call
-# `lookahead.cost_curve` functions directly.
+# `lookahead.calibration` functions directly.
 INJECTED_CURVE = CostCurve(CURVE_SIZES, (1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.7, 2.0, 2.6, 3.2), 0.05)
 
 

@@ -126,7 +126,7 @@ def test_plan_batch_shrinks_the_tree_when_rows_get_dear():
 
 
 def test_batch_cost_curve_is_measured_per_batch_size():
-    from lookahead.cost_curve import batch_sizes, measure_cost_curve
+    from lookahead.calibration import batch_sizes, measure_cost_curve
 
     model = build_tiny_model("llama", dtype=torch.float32)
     curve = measure_cost_curve(model, batch_sizes(8), prefixes=(16,), repeats=1, batch=8)
