@@ -92,7 +92,7 @@ class Decoder:
         positions, mask = inputs.get("position_ids"), request.prompt_kwargs.get("attention_mask")
         vocab = self.model.config.get_text_config().vocab_size
         for b, prompt in enumerate(prompts):
-            first = b // copies  # the row of this prompt in the prefill
+            first = b // copies  # this prompt's batch index in the prefill
             root_position = int(positions[first, -1]) + 1 if positions is not None else self.prefix_len
             sequence = Sequence(b, prompt, _hidden_slots(mask, b), root_position, self.config, request, vocab,
                                 use_window=len(prompts) == 1)
@@ -109,7 +109,7 @@ class Decoder:
         """One speculative step of every active sequence in ONE forward."""
         t0 = time.perf_counter()
         steps = self._plan([self.sequences[i] for i in self.active])
-        inputs = pack_batch([s.sequence.row_drafts(s.tree, s.use_window) for s in steps], self.prefix_len,
+        inputs = pack_batch([s.sequence.drafts(s.tree, s.use_window) for s in steps], self.prefix_len,
                             self.model.dtype, self.device, self.window)
         t1 = time.perf_counter()
         logits = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
@@ -118,14 +118,14 @@ class Decoder:
         t2 = time.perf_counter()
         limit = self._limit()
         steps = [self._verify(step, logits[b, : inputs.n_tree[b]], limit) for b, step in enumerate(steps)]
-        width = keep_rows_batched(self.cache, self.prefix_len, [s.kept_nodes for s in steps])
+        slots = keep_rows_batched(self.cache, self.prefix_len, [s.kept_nodes for s in steps])
         for b, step in enumerate(steps):
             window_logits = logits[b, inputs.n_tree[b]:] if step.use_window else None
-            step.sequence.advance(step.committed, step.use_window, window_logits, self.prefix_len, width)
+            step.sequence.advance(step.committed, step.use_window, window_logits, self.prefix_len, slots)
             self._stream(step.committed)
             self.stats.record_step(len(step.committed), inputs.input_ids.shape[1],
                                    step.sequence.accepted_sources(step.tree, step.verdict, len(step.committed)))
-        self.prefix_len += width
+        self.prefix_len += slots
         self._retire()
         self.stats.draft_time += t1 - t0
         self.stats.forward_time += t2 - t1
@@ -147,7 +147,7 @@ class Decoder:
 
     def _limit(self) -> int:
         """The length no sequence may pass: `max_length`, or once every sequence has stopped, the longest
-        stop length (the width plain decoding ends at)."""
+        stop length (the length plain decoding ends at)."""
         stops = [s.stop_length for s in self.sequences]
         return max(stops) if all(stops) else self.request.max_length
 
@@ -170,19 +170,19 @@ class Decoder:
             self.request.streamer.put(torch.tensor(tokens, dtype=torch.long))
 
     def _output(self) -> torch.Tensor:
-        """[B, width] sequences: each row's committed text, padded with the pad token after its stop."""
-        width = self._limit()
+        """[B, length] sequences: each sequence's committed text, padded with the pad token after its stop."""
+        length = self._limit()
         pad = self.request.pad_token_id if self.request.pad_token_id is not None else 0
-        out = torch.full((len(self.sequences), width), pad, dtype=torch.long)
+        out = torch.full((len(self.sequences), length), pad, dtype=torch.long)
         for b, sequence in enumerate(self.sequences):
-            n = min(sequence.length, width)
+            n = min(sequence.length, length)
             out[b, :n] = torch.from_numpy(sequence.ids[:n])
         return out.to(self.device)
 
 
 def _one_copy_each(kwargs: dict, copies: int) -> dict:
     """`kwargs` with transformers' `num_return_sequences` expansion undone: each tensor keeps the first of every
-    `copies` adjacent batch rows (multimodal position ids [3, B, L] along their batch dim 1, as it expands them)."""
+    `copies` adjacent batch entries (multimodal position ids [3, B, L] along their batch dim 1, as it expands them)."""
     if copies == 1:
         return dict(kwargs)
     out = {}
@@ -193,8 +193,8 @@ def _one_copy_each(kwargs: dict, copies: int) -> dict:
     return out
 
 
-def _hidden_slots(attention_mask: torch.Tensor | None, row: int) -> torch.Tensor | None:
-    """[L] bool of the padded prompt slots of batch row `row` from a 2D attention mask (None if none)."""
-    if attention_mask is None or attention_mask.dim() != 2 or bool(attention_mask[row].all()):
+def _hidden_slots(attention_mask: torch.Tensor | None, b: int) -> torch.Tensor | None:
+    """[L] bool of the padded prompt slots of sequence `b` of the batch from a 2D attention mask (None if none)."""
+    if attention_mask is None or attention_mask.dim() != 2 or bool(attention_mask[b].all()):
         return None
-    return ~attention_mask[row].bool().cpu()
+    return ~attention_mask[b].bool().cpu()

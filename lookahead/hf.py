@@ -44,7 +44,8 @@ class Lookahead:
     drafter (`drafters.SharedDrafter`); `draft_model` adds a small causal LM with the target's vocabulary that
     drafts a chain of `config.draft_tokens` tokens each step (exact too: sampled chains are accepted with
     min(1, p/q)). The token-recycling table (`recycle.RecycleTable`) persists across this object's calls;
-    pass `recycle_table` to share one between objects (the server does). Batches of left-padded prompts are decoded row by row exactly as plain batched `generate`.
+    pass `recycle_table` to share one between objects (the server does). Batches of left-padded prompts are
+    decoded sequence by sequence exactly as plain batched `generate`.
     After each call `last_stats` holds a `DecodeStats`. A streamer is passed as `lookahead_streamer=` (HF does
     not forward `streamer=` to a callable; `lookahead.patch` reroutes it automatically).
     """
@@ -122,7 +123,7 @@ def generation_arithmetic(model, config: LookaheadConfig) -> Iterator[str]:
 
 
 def _pad_token(config: GenerationConfig) -> int | None:
-    """The pad token `generate` fills finished rows with (prepared by transformers; may be None)."""
+    """The pad token `generate` fills finished sequences with (prepared by transformers; may be None)."""
     pad = getattr(config, "_pad_token_tensor", None)
     return int(pad) if pad is not None else config.pad_token_id
 

@@ -57,10 +57,6 @@ def sliding_window(config) -> SlidingWindow | None:
     return SlidingWindow(sizes.pop(), tuple(sorted(set(types))))
 
 
-# The former name ("row" now means a token row of the forward only); `sequence.py` still imports it.
-RowDrafts = SequenceDrafts
-
-
 @dataclass(frozen=True)
 class StepInputs:
     """Model inputs for one verification forward of B sequences, each padded to T rows.

@@ -1,5 +1,5 @@
-"""`Sequence`: one row of a generation — its committed text, drafters, window, acceptance statistics, token
-rule, stop checks and the cache slots it may attend to."""
+"""`Sequence`: one member of a generation's batch — its committed text, drafters, window, acceptance
+statistics, token rule, stop checks and the cache slots it may attend to."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from .config import LookaheadConfig
 from .draft_model import ModelDrafter
 from .drafters import DRAFT_MODEL, POOL, SOURCE_DRAFTER, Drafters
 from .jacobi import JacobiWindow
-from .layout import RowDrafts
+from .layout import SequenceDrafts
 from .request import DecodeRequest
 from .rules import make_rule
 from .scores import ScoreRecord
@@ -21,9 +21,9 @@ from .verify import Verdict
 
 
 class Sequence:
-    """One sequence being generated (a row of the batch).
+    """One sequence being generated (a member of the batch).
 
-    index: its row in the request's batch; prompt: [L] int64 (left padding included); hidden: [L] bool
+    index: its index in the request's batch; prompt: [L] int64 (left padding included); hidden: [L] bool
     prompt slots it must not attend to (None = all visible); root_position: the position id of the token
     after the prompt; request: the `DecodeRequest`; use_window: whether this sequence runs a Jacobi window
     (single-sequence generations only).
@@ -79,9 +79,9 @@ class Sequence:
                                                self.planner.rates.rates())
         return self.planner.rank(self._candidates).prune(self.config.tree_budget)
 
-    def row_drafts(self, tree: DraftTree, use_window: bool) -> RowDrafts:
+    def drafts(self, tree: DraftTree, use_window: bool) -> SequenceDrafts:
         """What this sequence verifies this step (`tree` is its planned, pruned tree)."""
-        return RowDrafts(tree, self.window if use_window else None, self.root_position, self.hidden)
+        return SequenceDrafts(tree, self.window if use_window else None, self.root_position, self.hidden)
 
     def first_token(self, logits: torch.Tensor) -> int:
         """The token chosen by the rule from the prefill's last logits [V]."""
@@ -110,7 +110,7 @@ class Sequence:
         """Append `tokens` one by one up to length `limit`; returns the committed ones.
 
         The first time the stopping criteria fire, `stop_length` records the length (as plain decoding would
-        stop this row there); with `cut_at_stop` nothing after that token is committed.
+        stop this sequence there); with `cut_at_stop` nothing after that token is committed.
         """
         for i, token in enumerate(tokens):
             self.ids[self.length] = token
@@ -168,10 +168,10 @@ class Sequence:
         return self.request.logits_processor(ids.to(logits.device), scores)[self.index]
 
     def _batch_view(self, ids: np.ndarray) -> torch.Tensor:
-        """[B, n] ids for HF processors and criteria, which may keep per-row state (e.g. the repetition
+        """[B, n] ids for HF processors and criteria, which may keep per-sequence state (e.g. the repetition
         penalty's prompt padding lengths): this sequence's text at its batch index, copies elsewhere."""
-        row = torch.from_numpy(ids).to(self.request.input_ids.device).view(1, -1)
-        return row.expand(self.request.input_ids.shape[0], -1)
+        text = torch.from_numpy(ids).to(self.request.input_ids.device).view(1, -1)
+        return text.expand(self.request.input_ids.shape[0], -1)
 
 
 def copy_seed(seed: int | None, copy: int) -> int | None:
