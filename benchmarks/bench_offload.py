@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from harness import (close_load_average, common_parser, cpu_flags, default_out, headed, machine_info,
-                     markdown_table, progress_bar, publish)
+from harness import (ForwardCounter, close_load_average, common_parser, cpu_flags, default_out, headed,
+                     machine_info, markdown_table, progress_bar, publish, timed_run)
 from prompts import encode, load_prompts
 
 
@@ -59,36 +59,25 @@ def load_offloaded(disk_layers: int, folder: str):
 
 
 def run_prompts(model, tokenizer, prompts, max_new_tokens: int, repeats: int, lookahead) -> list[dict]:
-    """Per prompt and repetition: HF greedy then lookahead (alternating which goes first), timed."""
+    """Per prompt and repetition: HF greedy then lookahead (alternating which goes first), timed by the
+    harness's `timed_run` (tokens per step from counted target forwards)."""
     runs, bar = [], progress_bar(len(prompts) * repeats * 2)
-    for i, prompt in enumerate(prompts):
-        ids = encode(tokenizer, prompt)
-        for r in range(repeats):
-            order = ("hf_greedy", "lookahead") if (i + r) % 2 == 0 else ("lookahead", "hf_greedy")
-            outputs = {}
-            for method in order:
-                bar.set_postfix_str(f"{prompt.category} {method}")
-                outputs[method] = timed(model, ids, method, max_new_tokens, lookahead)
-                bar.update()
-            same = outputs["hf_greedy"].pop("tokens") == outputs["lookahead"].pop("tokens")
-            runs.append({"category": prompt.category, "repeat": r, "identical": same, **outputs})
+    with ForwardCounter(model) as counter:
+        for i, prompt in enumerate(prompts):
+            ids = encode(tokenizer, prompt)
+            for r in range(repeats):
+                order = ("hf_greedy", "lookahead") if (i + r) % 2 == 0 else ("lookahead", "hf_greedy")
+                outputs = {}
+                for method in order:
+                    bar.set_postfix_str(f"{prompt.category} {method}")
+                    extra = {"custom_generate": lookahead.Lookahead()} if method == "lookahead" else {}
+                    outputs[method] = timed_run(model, ids, method, max_new_tokens, counter, do_sample=False,
+                                                **extra)
+                    bar.update()
+                same = outputs["hf_greedy"].pop("tokens") == outputs["lookahead"].pop("tokens")
+                runs.append({"category": prompt.category, "repeat": r, "identical": same, **outputs})
     bar.close()
     return runs
-
-
-def timed(model, ids: torch.Tensor, method: str, max_new_tokens: int, lookahead) -> dict:
-    """One generation: new tokens, seconds, tokens/s (and tokens/step for lookahead)."""
-    kwargs = {"custom_generate": lookahead.Lookahead()} if method == "lookahead" else {}
-    start = time.perf_counter()
-    output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                            do_sample=False, **kwargs)
-    seconds = time.perf_counter() - start
-    new = output.shape[1] - ids.shape[1]
-    record = {"tokens": output[0].tolist(), "new_tokens": new, "seconds": seconds, "tokens_per_s": new / seconds}
-    if method == "lookahead":
-        stats = kwargs["custom_generate"].last_stats
-        record["tokens_per_step"] = stats.new_tokens / max(stats.steps + 1, 1)  # + the prefill's token
-    return record
 
 
 @torch.no_grad()
@@ -120,8 +109,8 @@ def summarize(runs: list[dict]) -> dict:
         groups.setdefault(run["category"], []).append(run)
     groups["all"] = runs
     return {key: {"runs": len(group), "identical": sum(r["identical"] for r in group),
-                  "hf_greedy_tok_s": statistics.median(r["hf_greedy"]["tokens_per_s"] for r in group),
-                  "lookahead_tok_s": statistics.median(r["lookahead"]["tokens_per_s"] for r in group),
+                  "hf_greedy_tok_s": statistics.median(r["hf_greedy"]["tokens_per_second"] for r in group),
+                  "lookahead_tok_s": statistics.median(r["lookahead"]["tokens_per_second"] for r in group),
                   "speedup": statistics.median(r["hf_greedy"]["seconds"] / r["lookahead"]["seconds"] for r in group),
                   "tokens_per_step": statistics.median(r["lookahead"]["tokens_per_step"] for r in group)}
             for key, group in groups.items()}
