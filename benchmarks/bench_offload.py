@@ -16,7 +16,6 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -80,26 +79,14 @@ def run_prompts(model, tokenizer, prompts, max_new_tokens: int, repeats: int, lo
     return runs
 
 
-@torch.no_grad()
 def step_ratio(model, prefix: int = 256, repeats: int = 3) -> dict:
-    """Lower-quartile seconds of one forward of 1 and of 16 rows on a `prefix`-token cache, and their ratio."""
-    from transformers import DynamicCache
+    """Seconds of one forward of 1 and of 16 rows on a `prefix`-token cache and their ratio, measured as lookahead
+    measures its cost curve (`calibration.measure_cost_curve`: interleaved, lower quartile)."""
+    from lookahead.calibration import measure_cost_curve
 
-    vocab = model.config.get_text_config().vocab_size
-    cache = DynamicCache(config=model.config)
-    model(torch.randint(0, vocab, (1, prefix)), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    seconds = {1: [], 16: []}
-    for _ in range(repeats + 1):
-        for rows in seconds:
-            mask = None if rows == 1 else torch.zeros(1, 1, rows, prefix + rows)
-            start = time.perf_counter()
-            model(torch.randint(0, vocab, (1, rows)), position_ids=torch.arange(prefix, prefix + rows)[None],
-                  attention_mask=mask, past_key_values=cache, use_cache=True)
-            seconds[rows].append(time.perf_counter() - start)
-            cache.crop(-rows)
-    low = {rows: statistics.quantiles(times[1:], n=4)[0] if len(times) > 2 else min(times)
-           for rows, times in seconds.items()}
-    return {"one_row_s": low[1], "sixteen_rows_s": low[16], "ratio_16": low[16] / low[1]}
+    curve = measure_cost_curve(model, sizes=(1, 16), prefixes=(prefix,), repeats=repeats)
+    return {"one_row_s": curve.base_seconds, "sixteen_rows_s": curve.base_seconds * curve.ratio(16),
+            "ratio_16": curve.ratio(16)}
 
 
 def summarize(runs: list[dict]) -> dict:
