@@ -59,8 +59,11 @@ def load_offloaded(disk_layers: int, folder: str):
 
 def run_prompts(model, tokenizer, prompts, max_new_tokens: int, repeats: int, lookahead) -> list[dict]:
     """Per prompt and repetition: HF greedy then lookahead (alternating which goes first), timed by the
-    harness's `timed_run` (tokens per step from counted target forwards)."""
+    harness's `timed_run` (tokens per step from counted target forwards), after one untimed warm-up call."""
     runs, bar = [], progress_bar(len(prompts) * repeats * 2)
+    warm_up = encode(tokenizer, prompts[0])  # the first lookahead call measures the split model's cost curve
+    model.generate(warm_up, attention_mask=torch.ones_like(warm_up), max_new_tokens=4, do_sample=False,
+                   custom_generate=lookahead.Lookahead())
     with ForwardCounter(model) as counter:
         for i, prompt in enumerate(prompts):
             ids = encode(tokenizer, prompt)
