@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run the suite from the command line; print the markdown tables and write the JSON (and plots)."""
     args = parse_args(argv)
     from lookahead.calibration import cost_curve_for
+    from lookahead.hf import generation_arithmetic
     from lookahead.models import load_draft
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -311,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
                        args.lookahead_config, prompt_lookup_tokens=args.prompt_lookup_tokens,
                        draft_model=draft_model, warm_recycle=args.warm_recycle)
     close_load_average(machine)
-    result["cost_curve"] = json.loads(cost_curve_for(model).to_json())
+    with generation_arithmetic(model, args.lookahead_config):  # the curve the lookahead runs planned on
+        result["cost_curve"] = json.loads(cost_curve_for(model).to_json())
     draft_name = f"first {args.draft_layers} layers of the model" if args.draft_layers else args.draft_model
     result = headed(result, machine, model=args.model or "SmolLM2-135M-Instruct (embedded default)",
                     draft_model=draft_name)

@@ -29,23 +29,33 @@ SIBLING_CAP = 0.99  # the children of one node together are accepted with probab
 class AcceptanceRates:
     """Running estimate, per source and depth, of P(node accepted | its parent accepted).
 
-    Counts decay by `decay` each step so the estimates follow the text (grounded passages vs free chat); a cell
-    starts at `prior` with the weight of two observations.
+    Counts decay by `decay` each step so the estimates follow the text (grounded passages vs free chat). Each
+    cell is pulled towards a prior with the weight of two observations (decaying like the counts): `prior` at
+    depth 1, the same source's estimate one level shallower below it, so a depth the drafter has not reached yet
+    (or not for long) starts from what its shallower nodes showed instead of a fixed guess.
     """
 
     def __init__(self, n_sources: int, prior: float = 0.3, decay: float = 0.9, depths: int = MAX_DEPTH):
-        self.accepted = np.full((n_sources, depths), prior * 2.0)  # [n_sources, depths]
-        self.tested = np.full((n_sources, depths), 2.0)  # [n_sources, depths]
-        self.decay = decay
+        self.accepted = np.zeros((n_sources, depths))  # [n_sources, depths], decayed counts
+        self.tested = np.zeros((n_sources, depths))  # [n_sources, depths]
+        self.prior, self.prior_weight, self.decay = prior, 2.0, decay
 
     def rates(self) -> np.ndarray:
         """[n_sources, depths] current estimates in (0, 1); column d - 1 is depth d."""
-        return np.clip(self.accepted / self.tested, 0.01, 0.99)
+        out = np.empty_like(self.accepted)
+        above = np.full(out.shape[0], self.prior)  # [n_sources] the prior of the current depth
+        weight = self.prior_weight
+        for d in range(out.shape[1]):
+            total = self.tested[:, d] + weight
+            estimate = (self.accepted[:, d] + weight * above) / np.maximum(total, 1e-300)
+            above = out[:, d] = np.where(total > 1e-12, estimate, above)
+        return np.clip(out, 0.01, 0.99)
 
     def update(self, tested: np.ndarray, accepted: np.ndarray) -> None:
         """Add one step's counts ([n_sources, depths] each) of tested and accepted draft tokens."""
         self.accepted = self.accepted * self.decay + accepted
         self.tested = self.tested * self.decay + tested
+        self.prior_weight *= self.decay
 
 
 def path_values(tree, rates: np.ndarray) -> np.ndarray:

@@ -35,6 +35,18 @@ def test_acceptance_rates_follow_the_counts_per_source_and_depth_with_decay():
     assert rates.rates() == pytest.approx(before)
 
 
+def test_a_depth_not_tested_yet_starts_from_the_shallower_estimate():
+    rates = AcceptanceRates(2, prior=0.3, decay=0.9, depths=4)
+    tested, accepted = np.zeros((2, 4)), np.zeros((2, 4))
+    tested[0, :2], accepted[0, :2] = 10.0, 9.0  # source 0 reached depth 2 and was nearly always right
+    tested[1, 0] = 10.0  # source 1 was always wrong at depth 1
+    for _ in range(5):
+        rates.update(tested, accepted)
+    got = rates.rates()
+    assert got[0, 2] == pytest.approx(got[0, 1]) and got[0, 3] == pytest.approx(got[0, 1]) and got[0, 1] > 0.85
+    assert got[1, 1] == pytest.approx(got[1, 0]) and got[1, 0] < 0.05  # not the fixed prior 0.3
+
+
 def _rates(n_sources: int, depths: int, value: float) -> np.ndarray:
     return np.full((n_sources, depths), value)
 
@@ -62,8 +74,10 @@ def test_siblings_exclude_each_other():
 
 def test_rank_prunes_by_estimate_not_by_draft_order():
     planner = StepPlanner(None, len(SOURCE_DRAFTER), 0)
-    planner.rates.accepted[:] = planner.rates.tested * 0.05
-    planner.rates.accepted[POOL] = planner.rates.tested[POOL] * 0.9  # the pool is the reliable drafter here
+    planner.rates.tested[:] = 100.0
+    planner.rates.accepted[:] = 5.0
+    planner.rates.accepted[POOL] = 90.0  # the pool is the reliable drafter here
+    planner.rates.prior_weight = 0.0  # the counts alone
     tree = DraftTree.from_paths(7, [[1, 2, 3], [4, 5]], [PROMPT, POOL], budget=16)
     kept = planner.rank(tree).prune(2)
     assert kept.tokens.tolist() == [7, 4, 5]
@@ -138,7 +152,8 @@ def test_planner_learns_from_pruned_nodes_too():
         planner.learn(tree, [1, 2, 3, 9], used_window=False, pool_source=POOL)
     after = planner.rates.rates()
     assert after[PROMPT, 0] > before[PROMPT, 0] and after[PROMPT, 2] > before[PROMPT, 2]
-    assert after[POOL, 0] < before[POOL, 0] and after[POOL, 1] == pytest.approx(before[POOL, 1])  # a one-token path
+    assert after[POOL, 0] < before[POOL, 0]
+    assert planner.rates.tested[POOL, 1] == 0 and after[POOL, 1] == pytest.approx(after[POOL, 0])  # a one-token path
     assert planner.steps == 10
 
 
@@ -159,7 +174,7 @@ def test_stats_record_the_planners_prediction_for_every_step():
 def test_batch_planner_starts_with_a_plain_step_unless_sampling_is_unseeded():
     tree = DraftTree.from_paths(1, [[2, 3, 4], [5, 6]], [PROMPT, POOL], budget=8)
     planner = StepPlanner(FLAT, len(SOURCE_DRAFTER), 0)
-    planner.rates.accepted[:] = planner.rates.tested * 0.9
+    planner.rates.tested[:], planner.rates.accepted[:] = 100.0, 90.0
     timed = budget.BatchPlanner(FLAT, None, 1, unseeded_sampling=False)
     assert [(t.size, w) for t, w in timed.plan([planner], [tree], 256)] == [(1, False)]  # the reference time first
     timed.record(1, 0.05)
