@@ -222,14 +222,16 @@ class BatchPlanner:
     one sequence runs; None when `batch` is 1); unseeded_sampling: the generation samples without a seed. Without
     a curve every candidate is verified. The curve is taken at the current cache length and corrected by the
     generation's own timed steps (`record`), so the first step with a curve is a plain one (the reference time) —
-    except for unseeded sampling at batch size 1, whose random draws must not depend on timings.
+    except for unseeded sampling at batch size 1, whose random draws must not depend on timings, and when
+    `follow_timings` is False (a fixed curve the caller chose: the plan follows it alone).
     """
 
-    def __init__(self, curve: CostCurve | None, batch_curve: CostCurve | None, batch: int, unseeded_sampling: bool):
+    def __init__(self, curve: CostCurve | None, batch_curve: CostCurve | None, batch: int, unseeded_sampling: bool,
+                 follow_timings: bool = True):
         self.curve, self.batch_curve, self.batch = curve, batch_curve, batch
         # Unseeded sampling draws from one generator in step order, so a plan that followed timings would make
         # `torch.manual_seed` runs differ: it plans on the measured curve alone (at this cache length).
-        self.timed = not (batch == 1 and unseeded_sampling)
+        self.timed = follow_timings and not (batch == 1 and unseeded_sampling)
         self.observed = ObservedCost(batch_curve if batch > 1 else curve)
 
     def record(self, rows: int, seconds: float) -> None:

@@ -50,7 +50,7 @@ class Decoder:
         self.active: list[int] = []  # indices into `sequences`, in the cache's batch order
         self.cut_at_stop = request.pad_finished or request.input_ids.shape[0] == 1
         self.batch_planner = BatchPlanner(request.cost_curve, request.batch_cost_curve, request.input_ids.shape[0],
-                                          request.do_sample and config.seed is None)
+                                          request.do_sample and config.seed is None, request.follow_timings)
         self.window = sliding_window(model.config)  # the step masks apply it (the cache keeps every slot)
 
     @torch.no_grad()

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import functools
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
@@ -22,6 +23,7 @@ from .attention import tree_attention
 from .cache import make_compactable
 from .calibration import cost_curve_for
 from .config import LookaheadConfig
+from .cost_curve import CostCurve
 from .decoder import Decoder
 from .distributed import agreement, leader_value
 from .draft_model import check_draft_model
@@ -44,15 +46,20 @@ class Lookahead:
     drafter (`drafters.SharedDrafter`); `draft_model` adds a small causal LM with the target's vocabulary that
     drafts a chain of `config.draft_tokens` tokens each step (exact too: sampled chains are accepted with
     min(1, p/q)). The token-recycling table (`recycle.RecycleTable`) persists across this object's calls;
-    pass `recycle_table` to share one between objects (the server does). Batches of left-padded prompts are
+    pass `recycle_table` to share one between objects (the server does). `cost_curve` (a `CostCurve`) replaces
+    the measured curve, and the plan then follows it alone, never the generation's own step timings: the same
+    inputs give the same steps on any machine (`benchmarks/bench_drafts.py` compares drafting this way). Batches of left-padded prompts are
     decoded sequence by sequence exactly as plain batched `generate`.
     After each call `last_stats` holds a `DecodeStats`. A streamer is passed as `lookahead_streamer=` (HF does
     not forward `streamer=` to a callable; `lookahead.patch` reroutes it automatically).
     """
 
     def __init__(self, config: LookaheadConfig | None = None, shared_drafter=None, draft_model=None,
-                 recycle_table: RecycleTable | None = None, **overrides):
+                 recycle_table: RecycleTable | None = None, cost_curve: CostCurve | None = None, **overrides):
         self.config = (config or LookaheadConfig()).with_overrides(**overrides)
+        if cost_curve is not None and not isinstance(cost_curve, CostCurve):
+            raise TypeError(f"cost_curve must be a lookahead CostCurve, got {type(cost_curve).__name__}")
+        self.fixed_curve = cost_curve
         self.shared_drafter, self.draft_model = shared_drafter, draft_model
         if recycle_table is None and self.config.recycle_nodes:
             recycle_table = RecycleTable(self.config.recycle_k)
@@ -90,7 +97,8 @@ class Lookahead:
                                 recycle_table=self.recycle_table,
                                 pad_finished=any(hasattr(c, "eos_token_id") for c in stopping_criteria),
                                 record_scores=_wants_scores(generation_config),
-                                copies=generation_config.num_return_sequences or 1)
+                                copies=generation_config.num_return_sequences or 1,
+                                follow_timings=self.fixed_curve is None)
         decoder = Decoder(model, self.config, request)
         sequences = decoder.run()
         self.last_stats = decoder.stats
@@ -103,8 +111,10 @@ class Lookahead:
 
     def _cost_curve(self, model, batch: int = 1):
         """The model's measured cost curve at `batch` sequences when the budget adapts (measured once, then
-        cached on disk), else None."""
+        cached on disk; the fixed `cost_curve` instead when one was given), else None."""
         drafts = self.config.speculates or (self.draft_model is not None and self.config.tree_budget > 0)
+        if self.config.adaptive and drafts and self.fixed_curve is not None:
+            return replace(self.fixed_curve, batch=batch)
         if self.config.adaptive and drafts:
             return leader_value(cost_curve_for(model, batch=batch))  # one curve for all tensor-parallel ranks
         return None

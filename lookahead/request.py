@@ -30,7 +30,8 @@ class DecodeRequest:
     generating until every sequence has stopped); recycle_table: the token-recycling table the generation reads
     and refreshes (shared across calls; None = a private one); record_scores: keep every generated token's
     raw logits and processed scores for `Decoder.step_outputs`; copies: `num_return_sequences` (transformers
-    has already repeated each prompt into that many adjacent sequences of `input_ids` and `prompt_kwargs`).
+    has already repeated each prompt into that many adjacent sequences of `input_ids` and `prompt_kwargs`);
+    follow_timings: correct the curve by the generation's own timed steps (False: plan on the curves alone).
     """
 
     input_ids: torch.Tensor
@@ -49,3 +50,4 @@ class DecodeRequest:
     recycle_table: RecycleTable | None = None
     record_scores: bool = False
     copies: int = 1
+    follow_timings: bool = True

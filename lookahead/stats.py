@@ -23,7 +23,8 @@ class DecodeStats:
     `forward_time` (verification forwards), `verify_time` (verification, cache compaction, drafter updates).
     `new_tokens` counts the prefill's first token too; `step_tokens` only what decoding steps committed.
     `tokens_per_step` maps tokens committed in a step to how many steps committed that many. `calibration` holds
-    one (predicted, committed) pair of tokens per step in which the planner made a prediction.
+    one (predicted, committed) pair of tokens per step in which the planner made a prediction; `step_rows` the rows
+    each step verified.
     """
 
     steps: int = 0
@@ -38,6 +39,7 @@ class DecodeStats:
     tokens_per_step: Counter = field(default_factory=Counter)
     accepted_by_drafter: Counter = field(default_factory=Counter)
     calibration: list = field(default_factory=list)  # [(predicted tokens, committed tokens)] per step
+    step_rows: list = field(default_factory=list)  # rows verified (per sequence) by each step, in order
 
     def record_step(self, n_tokens: int, n_rows: int, accepted: AcceptedDrafts) -> None:
         """Add one decoding step that committed `n_tokens` after verifying `n_rows` rows."""
@@ -45,6 +47,7 @@ class DecodeStats:
         self.new_tokens += n_tokens
         self.step_tokens += n_tokens
         self.rows_verified += n_rows
+        self.step_rows.append(n_rows)
         self.tokens_per_step[n_tokens] += 1
         self.accepted_by_drafter.update(accepted.sources)
         if accepted.expected_tokens is not None:
@@ -84,4 +87,5 @@ class DecodeStats:
             "tokens_per_step": dict(sorted(self.tokens_per_step.items())),
             "accepted_by_drafter": dict(self.accepted_by_drafter),
             "mean_expected_tokens": self.mean_expected_tokens, "calibration": [list(p) for p in self.calibration],
+            "step_rows": list(self.step_rows),
         }

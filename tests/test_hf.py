@@ -259,3 +259,27 @@ def test_patched_equals_unpatched_full_output(model, case, batch):
     if kwargs.get("return_dict_in_generate"):
         plain, patched = plain.sequences, patched.sequences
     assert torch.equal(plain, patched)
+
+
+def test_a_fixed_cost_curve_replaces_the_measurement_and_the_timings(model, monkeypatch):
+    """`Lookahead(cost_curve=...)` never measures, plans on that curve alone and stays exact: two runs take the
+    same steps even though their forwards' timings differ."""
+    from lookahead import budget, hf
+    from lookahead.cost_curve import CURVE_SIZES, CostCurve
+
+    monkeypatch.setattr(hf, "cost_curve_for", lambda *a, **k: pytest.fail("the fixed curve must not be measured"))
+    # No step time ever reaches the planner: one that still followed timings would wait for a plain reference step
+    # forever and never verify a draft.
+    monkeypatch.setattr(budget.BatchPlanner, "record", lambda self, rows, seconds: None)
+    curve = CostCurve(CURVE_SIZES, tuple(1.0 + 0.01 * (k - 1) for k in CURVE_SIZES), 0.05)  # rows nearly free
+    prompt = repetitive_prompt(1)
+    expected = model.generate(prompt, do_sample=False, max_new_tokens=24)
+    runs = []
+    for _ in range(2):
+        decoder = Lookahead(cost_curve=curve)
+        assert torch.equal(model.generate(prompt, do_sample=False, max_new_tokens=24, custom_generate=decoder),
+                           expected)
+        runs.append((decoder.last_stats.steps, decoder.last_stats.rows_verified))
+    assert runs[0] == runs[1] and runs[0][1] > runs[0][0]  # the first step already verifies drafts
+    with pytest.raises(TypeError, match="CostCurve"):
+        Lookahead(cost_curve=[1.0, 1.1])
