@@ -48,8 +48,8 @@ class Lookahead:
     min(1, p/q)). The token-recycling table (`recycle.RecycleTable`) persists across this object's calls;
     pass `recycle_table` to share one between objects (the server does). `cost_curve` (a `CostCurve`) replaces
     the measured curve, and the plan then follows it alone, never the generation's own step timings: the same
-    inputs give the same steps on any machine (`benchmarks/bench_drafts.py` compares drafting this way). Batches of left-padded prompts are
-    decoded sequence by sequence exactly as plain batched `generate`.
+    inputs give the same steps on any machine (`benchmarks/bench_drafts.py` compares drafting this way).
+    Batches of left-padded prompts are decoded sequence by sequence exactly as plain batched `generate`.
     After each call `last_stats` holds a `DecodeStats`. A streamer is passed as `lookahead_streamer=` (HF does
     not forward `streamer=` to a callable; `lookahead.patch` reroutes it automatically).
     """
