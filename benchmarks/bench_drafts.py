@@ -107,6 +107,7 @@ def format_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Run the comparison from the command line; print the table and write the JSON."""
     args = parse_args(argv)
+    from lookahead import LookaheadConfig
     from lookahead.calibration import cost_curve_for
     from lookahead.cost_curve import CostCurve
     from lookahead.hf import generation_arithmetic
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.curve is not None:
         curve = CostCurve.from_json(args.curve.read_text())
     else:
-        with generation_arithmetic(model, _base_config()):
+        with generation_arithmetic(model, LookaheadConfig()):  # the arithmetic decides which cached curve is read
             curve = cost_curve_for(model)
     prompts = load_prompts(args.categories, args.prompts_per_category, args.prompts_dir)
     machine = machine_info(args.threads)
@@ -123,13 +124,6 @@ def main(argv: list[str] | None = None) -> None:
     result["cost_curve"] = json.loads(curve.to_json())
     result = headed(result, machine, model=args.model or "SmolLM2-135M-Instruct (embedded default)")
     publish(result, default_out("drafts") if args.out is None else args.out, format_table(result))
-
-
-def _base_config():
-    """The default `LookaheadConfig` (its arithmetic decides which cached curve is read)."""
-    from lookahead import LookaheadConfig
-
-    return LookaheadConfig()
 
 
 if __name__ == "__main__":
