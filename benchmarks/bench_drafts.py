@@ -67,10 +67,9 @@ def run_variants(model, tokenizer, prompts, variants, curve, max_new_tokens: int
             if reference.setdefault(prompt.id, out) != out:
                 raise AssertionError(f"variant {name} changed the output of {prompt.id}")
             stats = decoder.last_stats
-            rows = stats.step_rows
             runs.append({"variant": name, "prompt_id": prompt.id, "category": prompt.category,
-                         "steps": stats.steps, "tokens": stats.step_tokens, "rows": sum(rows),
-                         "cost": sum(curve.ratio(n) for n in rows)})
+                         "steps": stats.steps, "tokens": stats.step_tokens, "rows": stats.rows_verified,
+                         "cost": sum(curve.ratio(n) for n in stats.step_rows)})
             bar.update()
     bar.close()
     return {"variants": {name: overrides for name, overrides in variants}, "runs": runs,
@@ -129,5 +128,5 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # a bad override or an unreadable / malformed --curve file
         sys.exit(f"bench_drafts: {exc}")

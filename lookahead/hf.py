@@ -113,11 +113,11 @@ class Lookahead:
         """The model's measured cost curve at `batch` sequences when the budget adapts (measured once, then
         cached on disk; the fixed `cost_curve` instead when one was given), else None."""
         drafts = self.config.speculates or (self.draft_model is not None and self.config.tree_budget > 0)
-        if self.config.adaptive and drafts and self.fixed_curve is not None:
+        if not (self.config.adaptive and drafts):
+            return None
+        if self.fixed_curve is not None:
             return replace(self.fixed_curve, batch=batch)
-        if self.config.adaptive and drafts:
-            return leader_value(cost_curve_for(model, batch=batch))  # one curve for all tensor-parallel ranks
-        return None
+        return leader_value(cost_curve_for(model, batch=batch))  # one curve for all tensor-parallel ranks
 
 
 @contextlib.contextmanager

@@ -35,7 +35,6 @@ class DecodeStats:
     forward_time: float = 0.0
     verify_time: float = 0.0
     total_time: float = 0.0
-    rows_verified: int = 0
     tokens_per_step: Counter = field(default_factory=Counter)
     accepted_by_drafter: Counter = field(default_factory=Counter)
     calibration: list = field(default_factory=list)  # [(predicted tokens, committed tokens)] per step
@@ -46,12 +45,16 @@ class DecodeStats:
         self.steps += 1
         self.new_tokens += n_tokens
         self.step_tokens += n_tokens
-        self.rows_verified += n_rows
         self.step_rows.append(n_rows)
         self.tokens_per_step[n_tokens] += 1
         self.accepted_by_drafter.update(accepted.sources)
         if accepted.expected_tokens is not None:
             self.calibration.append((round(accepted.expected_tokens, 4), n_tokens))
+
+    @property
+    def rows_verified(self) -> int:
+        """Rows verified over all steps (per sequence)."""
+        return sum(self.step_rows)
 
     @property
     def mean_expected_tokens(self) -> float:
