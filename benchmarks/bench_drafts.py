@@ -6,6 +6,8 @@ it takes depend only on the drafts — the comparison is exact and repeatable on
 reports tokens committed per step, rows verified per step and the modeled speed: tokens / the sum over steps of
 the curve's cost of that step's rows (in one-row steps; what the speed over the same loop without speculation
 would be if the curve held). Every variant's output is checked against the first variant's, token for token.
+With `--sample` every run samples as bench_generate's sampled rows do (T=0.7, top_p=0.95), seeded: a seeded
+lookahead draws the same tokens whatever it drafts, so the runs stay repeatable and comparable.
 
     python benchmarks/bench_drafts.py --prompts-per-category 6 --variant hier --variant nopool:pool_candidates=0
 """
@@ -16,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from bench_generate import SAMPLE_SEED, SAMPLING
 from harness import (check_counts, common_parser, default_out, group_name, headed, load_target, machine_info,
                      markdown_table, parse_overrides, progress_bar, publish)
 from prompts import encode, load_prompts
@@ -24,11 +27,13 @@ from prompts import encode, load_prompts
 def parse_args(argv: list[str] | None = None):
     """Options: the suite's (model, categories, prompts, lengths, threads), `--variant NAME[:k=v,k=v]` (repeatable;
     default: the config's defaults alone), `--curve FILE` (a cost-curve JSON as `lookahead calibrate` caches it;
-    default: this model's measured curve) and `--fresh-table` (clear the recycling table before every prompt)."""
+    default: this model's measured curve), `--fresh-table` (clear the recycling table before every prompt) and
+    `--sample` (seeded sampling instead of greedy decoding)."""
     parser = common_parser(__doc__.splitlines()[0], prompts_per_category=3, repeats=1)
     parser.add_argument("--variant", action="append", default=[], metavar="NAME[:KEY=VALUE,...]")
     parser.add_argument("--curve", type=Path, default=None)
     parser.add_argument("--fresh-table", action="store_true")
+    parser.add_argument("--sample", action="store_true", help="seeded sampling (T=0.7, top_p=0.95) instead of greedy")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     try:
@@ -48,21 +53,24 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 def run_variants(model, tokenizer, prompts, variants, curve, max_new_tokens: int, fresh_table: bool,
-                 progress: bool = True) -> dict:
-    """Generate every prompt with every variant on `curve`; returns {"runs": [...], "summary": {...}}.
-    Raises `AssertionError` naming the prompt if a variant's output differs from the first variant's."""
+                 progress: bool = True, sample: bool = False) -> dict:
+    """Generate every prompt with every variant on `curve` (greedy, or seeded sampling with `sample`); returns
+    {"runs": [...], "summary": {...}}. Raises `AssertionError` naming the prompt if a variant's output differs
+    from the first variant's."""
     from lookahead import Lookahead, LookaheadConfig
 
     encoded = [encode(tokenizer, prompt) for prompt in prompts]
     bar = progress_bar(len(variants) * len(prompts), progress)
     runs, reference = [], {}
+    decoding = dict(SAMPLING) if sample else {"do_sample": False}
     for name, overrides in variants:
-        decoder = Lookahead(LookaheadConfig(**overrides), cost_curve=curve)
+        seeded = {"seed": SAMPLE_SEED} if sample else {}
+        decoder = Lookahead(LookaheadConfig(**{**seeded, **overrides}), cost_curve=curve)
         for prompt, ids in zip(prompts, encoded):
             bar.set_postfix_str(f"{name} {prompt.id}")
             if fresh_table and decoder.recycle_table is not None:
                 decoder.recycle_table.clear()
-            out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, custom_generate=decoder)
+            out = model.generate(ids, **decoding, max_new_tokens=max_new_tokens, custom_generate=decoder)
             out = out[0, ids.shape[1]:].tolist()
             if reference.setdefault(prompt.id, out) != out:
                 raise AssertionError(f"variant {name} changed the output of {prompt.id}")
@@ -119,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
             curve = cost_curve_for(model)
     prompts = load_prompts(args.categories, args.prompts_per_category, args.prompts_dir)
     machine = machine_info(args.threads)
-    result = run_variants(model, tokenizer, prompts, args.variants, curve, args.max_new_tokens, args.fresh_table)
+    result = run_variants(model, tokenizer, prompts, args.variants, curve, args.max_new_tokens, args.fresh_table,
+                          sample=args.sample)
+    result["decoding"] = {**SAMPLING, "seed": SAMPLE_SEED} if args.sample else {"do_sample": False}
     result["cost_curve"] = json.loads(curve.to_json())
     result = headed(result, machine, model=args.model or "SmolLM2-135M-Instruct (embedded default)")
     publish(result, default_out("drafts") if args.out is None else args.out, format_table(result))

@@ -73,3 +73,15 @@ def test_variant_parsing_and_errors(capsys):
         bench_drafts.parse_args(["--variant", "x:nope=1"])
     assert "unknown lookahead option 'nope'" in capsys.readouterr().err
     assert bench_drafts.parse_args([]).variants == [("defaults", {})]
+
+
+def test_sampled_variants_are_seeded_so_their_outputs_agree(tiny_model):
+    model = tiny_model("llama", dtype=torch.float64, seed=0)
+    variants = [("all", {}), ("off", {"tree_budget": 0}), ("small", {"tree_budget": 2})]
+    out = bench_drafts.run_variants(model, word_tokenizer(), PROMPTS, variants, CHEAP, 12, fresh_table=True,
+                                    progress=False, sample=True)  # raises if a variant drew other tokens
+    assert len(out["runs"]) == len(PROMPTS) * len(variants)
+    assert out["summary"]["off"]["all"]["tokens_per_step"] == 1.0
+    greedy = bench_drafts.run_variants(model, word_tokenizer(), PROMPTS, variants[:1], CHEAP, 12, fresh_table=True,
+                                       progress=False)
+    assert greedy["summary"]["all"] != out["summary"]["all"]  # it did sample (greedy takes other steps)
