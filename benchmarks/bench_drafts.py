@@ -9,7 +9,7 @@ would be if the curve held). Every variant's output is checked against the first
 With `--sample` every run samples as bench_generate's sampled rows do (T=0.7, top_p=0.95), seeded: a seeded
 lookahead draws the same tokens whatever it drafts, so the runs stay repeatable and comparable.
 
-    python benchmarks/bench_drafts.py --prompts-per-category 6 --variant hier --variant nopool:pool_candidates=0
+    python benchmarks/bench_drafts.py --prompts-per-category 6 --variant all --variant nopool:pool_candidates=0
 """
 
 from __future__ import annotations
@@ -55,16 +55,16 @@ def parse_variant(text: str) -> tuple[str, dict]:
 def run_variants(model, tokenizer, prompts, variants, curve, max_new_tokens: int, fresh_table: bool,
                  progress: bool = True, sample: bool = False) -> dict:
     """Generate every prompt with every variant on `curve` (greedy, or seeded sampling with `sample`); returns
-    {"runs": [...], "summary": {...}}. Raises `AssertionError` naming the prompt if a variant's output differs
-    from the first variant's."""
+    {"variants", "decoding", "runs", "summary"}. Raises `AssertionError` naming the prompt if a variant's output
+    differs from the first variant's."""
     from lookahead import Lookahead, LookaheadConfig
 
     encoded = [encode(tokenizer, prompt) for prompt in prompts]
     bar = progress_bar(len(variants) * len(prompts), progress)
     runs, reference = [], {}
     decoding = dict(SAMPLING) if sample else {"do_sample": False}
+    seeded = {"seed": SAMPLE_SEED} if sample else {}
     for name, overrides in variants:
-        seeded = {"seed": SAMPLE_SEED} if sample else {}
         decoder = Lookahead(LookaheadConfig(**{**seeded, **overrides}), cost_curve=curve)
         for prompt, ids in zip(prompts, encoded):
             bar.set_postfix_str(f"{name} {prompt.id}")
@@ -80,8 +80,8 @@ def run_variants(model, tokenizer, prompts, variants, curve, max_new_tokens: int
                          "cost": sum(curve.ratio(n) for n in stats.step_rows)})
             bar.update()
     bar.close()
-    return {"variants": {name: overrides for name, overrides in variants}, "runs": runs,
-            "summary": summarize(runs)}
+    return {"variants": {name: overrides for name, overrides in variants}, "decoding": {**decoding, **seeded},
+            "runs": runs, "summary": summarize(runs)}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -129,7 +129,6 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_info(args.threads)
     result = run_variants(model, tokenizer, prompts, args.variants, curve, args.max_new_tokens, args.fresh_table,
                           sample=args.sample)
-    result["decoding"] = {**SAMPLING, "seed": SAMPLE_SEED} if args.sample else {"do_sample": False}
     result["cost_curve"] = json.loads(curve.to_json())
     result = headed(result, machine, model=args.model or "SmolLM2-135M-Instruct (embedded default)")
     publish(result, default_out("drafts") if args.out is None else args.out, format_table(result))
