@@ -1,5 +1,5 @@
-"""The only code touching KV-cache internals: keep the prefix plus the accepted rows of a step (per sequence of a
-batch), drop the rest; drop finished sequences from a batch."""
+"""The only code touching KV-cache internals (with the layer class of `cache_layer.py`): keep the prefix plus the
+accepted rows of a step (per sequence of a batch), drop the rest; drop finished sequences from a batch."""
 
 from __future__ import annotations
 
@@ -7,14 +7,17 @@ import torch
 from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer,
                                       get_layer_types_and_kwargs)
 
+from .cache_layer import SlabLayer
+
 
 def make_compactable(cache: Cache, config, max_slots: int, batch_size: int = 1) -> None:
     """Make `cache` (the one `generate` prepared for a model with config `config`) one whose rows lookahead can
     drop in place, or raise `ValueError`.
 
     Every layer must keep all its slots, so that slot indices and compaction are the same in every layer: a
-    `DynamicCache`'s sliding-window layers (which evict what leaves the window) are replaced, in place, by plain
-    growing layers holding the same states, and the window is applied by the step's attention masks instead
+    `DynamicCache`'s growing layers, and its sliding-window layers (which evict what leaves the window), are
+    replaced, in place, by `SlabLayer`s (growing layers that append into preallocated storage) holding the same
+    states, and the window is applied by the step's attention masks instead
     (`layout.SlidingWindow`); sliding layers cost full-length memory then. Chunked-attention layers stay, exact
     only while the generation (at most `max_slots` slots, verification rows included) fits in one chunk, at batch
     size 1. Static, quantized and offloaded caches, and a cache whose sliding layers already evicted, are refused.
@@ -29,23 +32,20 @@ def make_compactable(cache: Cache, config, max_slots: int, batch_size: int = 1) 
             cache.layers[i] = _growing_copy(layer)
         elif type(layer) is DynamicSlidingWindowLayer:
             _check_chunk(layer.sliding_window, max_slots, batch_size)
-        elif type(layer) is not DynamicLayer:
+        elif type(layer) is DynamicLayer:
+            cache.layers[i] = SlabLayer.holding(layer)
+        elif type(layer) is not SlabLayer:
             raise ValueError(f"lookahead cannot compact cache layers of type {type(layer).__name__}; "
                              "use plain model.generate for this model")
 
 
-def _growing_copy(layer: DynamicSlidingWindowLayer) -> DynamicLayer:
-    """A `DynamicLayer` holding the states of `layer`, which must not have evicted any yet."""
-    full = DynamicLayer()
-    if not layer.is_initialized:
-        return full
-    if layer.get_seq_length() != layer.keys.shape[-2]:
+def _growing_copy(layer: DynamicSlidingWindowLayer) -> SlabLayer:
+    """A growing layer holding the states of `layer`, which must not have evicted any yet."""
+    if layer.is_initialized and layer.get_seq_length() != layer.keys.shape[-2]:
         raise ValueError(f"past_key_values holds a sliding-window layer that has dropped tokens (it saw "
                          f"{layer.get_seq_length()}, keeps {layer.keys.shape[-2]}); lookahead needs every token "
                          "cached: pass DynamicCache() (no config) or no cache")
-    full.lazy_initialization(layer.keys, layer.values)
-    full.keys, full.values = layer.keys, layer.values
-    return full
+    return SlabLayer.holding(layer)
 
 
 def _check_chunk(chunk: int, max_slots: int, batch_size: int) -> None:
@@ -63,19 +63,20 @@ def _check_chunk(chunk: int, max_slots: int, batch_size: int) -> None:
 def keep_rows(cache: Cache, prefix_len: int, rows: list[int]) -> None:
     """After a step's forward, keep slots `[0, prefix_len)` plus the step rows `rows` (in that order).
 
-    rows: indices into the step's T new rows (e.g. [0, 3, 4] = root and two accepted nodes). One gather per
-    layer; when `rows` is `0..k-1` the cache is cropped instead (no copy).
+    rows: indices into the step's T new rows (e.g. [0, 3, 4] = root and two accepted nodes), the same for every
+    sequence of a batch. One in-place gather of the step slots per layer (the prefix is not copied); when `rows`
+    is `0..k-1` the cache is cropped instead (no copy).
     """
     if rows == list(range(len(rows))):
         surplus = cache.get_seq_length() - prefix_len - len(rows)
         if surplus:
             cache.crop(-surplus)  # transformers' crop takes the number of slots to drop, negated
         return
-    keep = torch.cat([torch.arange(prefix_len), prefix_len + torch.tensor(rows, dtype=torch.long)])
+    index = torch.tensor([rows], dtype=torch.long)
     for layer in cache.layers:  # layers may live on different devices (offloading, pipeline splits)
-        index = keep.to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, index)
-        layer.values = layer.values.index_select(-2, index)
+        batch = index.expand(layer.keys.shape[0], -1)
+        layer.keys = _gather_tail(layer.keys, prefix_len, batch)
+        layer.values = _gather_tail(layer.values, prefix_len, batch)
         _sync_length(layer)
 
 

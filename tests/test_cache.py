@@ -2,7 +2,8 @@
 random Llama / Qwen2 in fp64, `keep_rows` for an accepted path leaves a cache that gives the same logits and
 K/V as a fresh prefill of the committed tokens, for a contiguous path (crop branch) and a non-contiguous one
 (gather branch). Also: the tree forward's per-node logits equal sequential forwards, exact `keep_rows`
-semantics on a synthetic cache, and `make_compactable` (sliding layers made growing, refusals)."""
+semantics on a synthetic cache, and `make_compactable` (growing and sliding layers made slab layers, refusals).
+The live caches run both as transformers' `DynamicLayer`s and as lookahead's `SlabLayer`s (`cache_layer.py`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache, Llama4TextConfig, LlamaConfig, MistralConfig, Qwen2Config, StaticCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from lookahead.cache import keep_rows, make_compactable
+from lookahead.cache_layer import SlabLayer
 from lookahead.jacobi import JacobiWindow
 from lookahead.layout import pack
 from lookahead.tree import DraftTree
@@ -38,8 +40,12 @@ def make_window() -> JacobiWindow:
     return window
 
 
-def prefill(model, tokens: list[int]) -> DynamicCache:
+def prefill(model, tokens: list[int], slab: bool = False) -> DynamicCache:
+    """A cache holding `tokens`; with `slab`, made compactable first (its layers append into slabs)."""
     cache = DynamicCache(config=model.config)
+    if slab:
+        make_compactable(cache, model.config, 10_000)
+        assert all(type(layer) is SlabLayer for layer in cache.layers)
     model(torch.tensor([tokens]), past_key_values=cache, use_cache=True)
     return cache
 
@@ -60,10 +66,15 @@ def model(request, tiny_model):
     return tiny_model(request.param, dtype=torch.float64, seed=1)
 
 
+@pytest.fixture(params=[False, True], ids=["dynamic-layers", "slab-layers"])
+def slab(request):
+    return request.param
+
+
 @torch.no_grad()
-def test_tree_forward_logits_equal_sequential_forwards(model):
+def test_tree_forward_logits_equal_sequential_forwards(model, slab):
     tree = make_tree()
-    cache = prefill(model, PROMPT)
+    cache = prefill(model, PROMPT, slab)
     logits = tree_step(model, cache, tree, None, len(PROMPT), len(PROMPT))
     assert logits.shape == (tree.size, model.config.vocab_size)
     for node in range(tree.size):
@@ -74,10 +85,10 @@ def test_tree_forward_logits_equal_sequential_forwards(model):
 @torch.no_grad()
 @pytest.mark.parametrize("with_window", [False, True])
 @pytest.mark.parametrize("rows", [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 4], [0, 4, 5], [0, 4, 6, 7]])
-def test_keep_rows_then_next_token_matches_fresh_prefill(model, rows, with_window):
+def test_keep_rows_then_next_token_matches_fresh_prefill(model, rows, with_window, slab):
     tree, window = make_tree(), make_window() if with_window else None
     prefix_len = len(PROMPT)
-    cache = prefill(model, PROMPT)
+    cache = prefill(model, PROMPT, slab)
     tree_step(model, cache, tree, window, prefix_len, prefix_len)
     before = [layer.keys.data_ptr() for layer in cache.layers]
 
@@ -100,11 +111,11 @@ def test_keep_rows_then_next_token_matches_fresh_prefill(model, rows, with_windo
 
 
 @torch.no_grad()
-def test_two_compacted_steps_in_a_row(model):
+def test_two_compacted_steps_in_a_row(model, slab):
     """Gather, then a second packed step on the compacted cache, then crop: still a fresh prefill's logits."""
     tree, window = make_tree(), make_window()
     prefix_len = len(PROMPT)
-    cache = prefill(model, PROMPT)
+    cache = prefill(model, PROMPT, slab)
     tree_step(model, cache, tree, window, prefix_len, prefix_len)
     keep_rows(cache, prefix_len, [0, 4, 6])  # root 11, accepted 12, 9; bonus 40 becomes the next root
     committed = PROMPT + [ROOT, 12, 9]
@@ -126,21 +137,26 @@ def test_two_compacted_steps_in_a_row(model):
 # ---------------------------------------------------------------- exact semantics on a synthetic cache
 
 
-def synthetic_cache(prefix_len: int, t: int, layers: int = 3) -> tuple[DynamicCache, list[torch.Tensor]]:
-    """A DynamicCache whose slot s holds the value s + 1000 * layer (keys) / negated (values)."""
+def synthetic_cache(prefix_len: int, t: int, layers: int = 3,
+                    slab: bool = False) -> tuple[DynamicCache, list[torch.Tensor]]:
+    """A DynamicCache whose slot s holds the value s + 1000 * layer (keys) / negated (values); with `slab`, its
+    layers are `SlabLayer`s (the prefix appended first, then the t step slots, as a generation does)."""
     cache, expected = DynamicCache(), []
+    if slab:
+        cache.layers = [SlabLayer() for _ in range(layers)]
     for layer in range(layers):
         slots = torch.arange(prefix_len + t, dtype=torch.float64) + 1000 * layer
         keys = slots.view(1, 1, -1, 1).expand(1, 2, -1, 4).clone()
-        cache.update(keys, -keys, layer)
+        for part in (keys[:, :, :prefix_len], keys[:, :, prefix_len:]) if slab else (keys,):
+            cache.update(part, -part, layer)
         expected.append(slots)
     return cache, expected
 
 
 @pytest.mark.parametrize("rows", [[0], [0, 1, 2], [0, 1, 2, 3, 4, 5], [0, 2, 5], [0, 5], [0, 3, 4]])
-def test_keep_rows_keeps_exactly_prefix_plus_rows_in_order(rows):
+def test_keep_rows_keeps_exactly_prefix_plus_rows_in_order(rows, slab):
     prefix_len, t = 4, 6
-    cache, slots = synthetic_cache(prefix_len, t)
+    cache, slots = synthetic_cache(prefix_len, t, slab=slab)
     keep_rows(cache, prefix_len, rows)
     keep = list(range(prefix_len)) + [prefix_len + r for r in rows]
     assert cache.get_seq_length() == len(keep)
@@ -175,7 +191,9 @@ LLAMA4_CHUNKED = Llama4TextConfig(**SMALL, attention_chunk_size=8)
 def test_make_compactable_leaves_only_growing_layers(config):
     cache = DynamicCache(config=config)
     make_compactable(cache, config or LlamaConfig(**SMALL), 10_000, batch_size=4)
-    assert all(type(layer) is DynamicLayer for layer in cache.layers)
+    assert all(type(layer) is SlabLayer for layer in cache.layers)
+    make_compactable(cache, config or LlamaConfig(**SMALL), 10_000, batch_size=4)  # again: nothing to change
+    assert all(type(layer) is SlabLayer for layer in cache.layers)
 
 
 def test_sliding_layers_become_growing_layers_holding_the_same_states():
@@ -183,7 +201,7 @@ def test_sliding_layers_become_growing_layers_holding_the_same_states():
     states = torch.randn(1, 2, 6, 8)
     cache.layers[0].update(states, -states)
     make_compactable(cache, MISTRAL_SLIDING, 10_000, batch_size=3)
-    assert [type(layer) for layer in cache.layers] == [DynamicLayer, DynamicLayer]
+    assert [type(layer) for layer in cache.layers] == [SlabLayer, SlabLayer]
     assert torch.equal(cache.layers[0].keys, states) and torch.equal(cache.layers[0].values, -states)
     assert not cache.layers[1].is_initialized
 

@@ -114,7 +114,7 @@ def test_returned_cache_holds_every_token_and_continues_plain_generate():
     out = model.generate(prompt, do_sample=False, max_new_tokens=30, return_dict_in_generate=True,
                          custom_generate=Lookahead(SPECULATE))
     cache = out.past_key_values
-    assert all(type(layer) is DynamicLayer for layer in cache.layers)
+    assert all(isinstance(layer, DynamicLayer) for layer in cache.layers)
     assert cache.get_seq_length() == out.sequences.shape[1] - 1  # the last token is not cached yet
     more = model.generate(out.sequences, past_key_values=cache, do_sample=False, max_new_tokens=10)
     assert torch.equal(more, model.generate(prompt, do_sample=False, max_new_tokens=40))
