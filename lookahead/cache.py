@@ -72,12 +72,8 @@ def keep_rows(cache: Cache, prefix_len: int, rows: list[int]) -> None:
         if surplus:
             cache.crop(-surplus)  # transformers' crop takes the number of slots to drop, negated
         return
-    index = torch.tensor([rows], dtype=torch.long)
-    for layer in cache.layers:  # layers may live on different devices (offloading, pipeline splits)
-        batch = index.expand(layer.keys.shape[0], -1)
-        layer.keys = _gather_tail(layer.keys, prefix_len, batch)
-        layer.values = _gather_tail(layer.values, prefix_len, batch)
-        _sync_length(layer)
+    batch = cache.layers[0].keys.shape[0]
+    _gather_step_slots(cache, prefix_len, torch.tensor([rows] * batch, dtype=torch.long))
 
 
 def keep_rows_batched(cache: Cache, prefix_len: int, rows: list[list[int]]) -> int:
@@ -90,12 +86,16 @@ def keep_rows_batched(cache: Cache, prefix_len: int, rows: list[list[int]]) -> i
     if all(r == list(range(len(r))) for r in rows):  # every sequence's kept rows are already in place: crop
         keep_rows(cache, prefix_len, list(range(slots)))
         return slots
-    index = torch.tensor([r + [0] * (slots - len(r)) for r in rows], dtype=torch.long)  # [B, K]
-    for layer in cache.layers:
+    _gather_step_slots(cache, prefix_len, torch.tensor([r + [0] * (slots - len(r)) for r in rows], dtype=torch.long))
+    return slots
+
+
+def _gather_step_slots(cache: Cache, prefix_len: int, index: torch.Tensor) -> None:
+    """In every layer, sequence b keeps the step slots `prefix_len + index[b]` (index: [B, K]) after its prefix."""
+    for layer in cache.layers:  # layers may live on different devices (offloading, pipeline splits)
         layer.keys = _gather_tail(layer.keys, prefix_len, index)
         layer.values = _gather_tail(layer.values, prefix_len, index)
         _sync_length(layer)
-    return slots
 
 
 def _gather_tail(states: torch.Tensor, prefix_len: int, index: torch.Tensor) -> torch.Tensor:
