@@ -10,10 +10,11 @@ import numpy as np
 import torch
 
 from .config import LookaheadConfig
+from .draft_noise import DraftNoise
 from .draft_model import NO_CHAIN, ModelDrafter
 from .ngram_pool import NGramPool
 from .prompt_lookup import PromptLookup
-from .recycle import RecycleDrafter, RecycleTable
+from .recycle import NO_NOISE, RecycleDrafter, RecycleTable
 from .tree import DraftTree
 from .verify import SampledDrafts
 
@@ -76,11 +77,13 @@ class Drafters:
             self.recycle.observe(tokens, logits, order)
 
     def draft(self, root: int, max_len: int, chain_len: int | None = None,
-              estimates: np.ndarray | None = None) -> DraftTree:
+              estimates: np.ndarray | None = None, noise: DraftNoise | None = None) -> DraftTree:
         """Merge every drafter's candidates (each cut to `max_len` tokens) into one unpruned `DraftTree` for
         `root`; the draft model's chain has `chain_len` tokens (None: `config.draft_tokens`; 0: the draft model
         rests). `estimates` [n_sources, D]: the planner's conditional acceptance per source and depth, which
-        shapes the recycled draft (None: a fixed prior). The caller ranks and prunes the tree."""
+        shapes the recycled draft (None: a fixed prior). `noise`: the seeded rule's noise after the root, which
+        orders the recycled children as the seeded draw would (None: by the target's top-k order). The caller
+        ranks and prunes the tree."""
         paths, sources = [], []
         self._chain = NO_CHAIN
         if max_len > 0 and self.config.tree_budget > 0:
@@ -102,7 +105,8 @@ class Drafters:
                 paths += found
                 sources += [SHARED] * len(found)
             if self.recycle is not None:
-                found, ranks = self.recycle.propose(root, self._recycle_value(estimates), max_len)
+                rows, inv_temp = (NO_NOISE, 1.0) if noise is None else (noise.rows, noise.inv_temp)
+                found, ranks = self.recycle.propose(root, self._recycle_value(estimates), max_len, rows, inv_temp)
                 paths += found
                 sources += (RECYCLE + np.minimum(ranks, RECYCLE_SOURCES - 1)).tolist()
         return DraftTree.from_paths(root, paths, sources, budget=sum(len(p) for p in paths))

@@ -7,6 +7,7 @@ adjacency table keeps them, one row per token id:
 
     table [vocab, k] int32: table[t, r] = the r-th most likely next token the last time a row carrying t was
                             verified (-1 = t never verified)
+    scores [vocab, k] float32: scores[t, r] = that token's raw logit in that row
 
 A step overwrites the table rows of every token it verified, the accepted path last, so for a token verified
 twice in one step the prediction with the true context wins. A draft is grown from the root best-first over
@@ -14,8 +15,10 @@ the table: a node's children are its token's table row, and a child of top-k ran
 parent's value times the estimated probability `value[d - 1, r]` that such a node is accepted once its parent
 is (the planner's learned estimate for recycled nodes). The `max_nodes` most valuable nodes form the draft, so
 its shape (wide near the root, deep along confident chains) follows what is accepted, not a fixed template.
+Under seeded sampling the rank of a child is instead its place under the noise the seeded draw will add at its
+index (`draft_noise.py`): children ordered by recycled logit / temperature + noise, as the draw orders them.
 
-Memory: `vocab × k` int32 (49152 × 8 → 1.5 MB). One table can serve many generations (a `Lookahead` object's
+Memory: `vocab × k` int32 + float32 (49152 × 8 → 3 MB). One table can serve many generations (a `Lookahead` object's
 calls, a server's requests); all methods are thread-safe.
 """
 
@@ -28,32 +31,67 @@ import numpy as np
 
 
 @numba.njit(cache=True)
-def _update(table, tokens, topk):
-    """table[tokens[i]] = topk[i] for i in order (a later row wins for a repeated token).
+def _update(table, scores, tokens, topk, values):
+    """table[tokens[i]] = topk[i] and scores[tokens[i]] = values[i] for i in order (a later row wins for a
+    repeated token).
 
-    table: [vocab, k] int32; tokens: [n] int64 in [0, vocab); topk: [n, k] int64."""
+    table: [vocab, k] int32; scores: [vocab, k] float32; tokens: [n] int64 in [0, vocab); topk: [n, k] int64;
+    values: [n, k] float32."""
     k = table.shape[1]
     for i in range(tokens.shape[0]):
         t = tokens[i]
         for r in range(k):
             table[t, r] = topk[i, r]
+            scores[t, r] = values[i, r]
 
 
 @numba.njit(cache=True)
-def _grow(table, root, value, max_nodes, max_depth, paths, depth, rank, parent, score, f_parent, f_rank, f_score):
+def _child_places(table, scores, noise, inv_temp, token, depth, out):
+    """out[r] = the place of table[token, r] among `token`'s children at depth `depth`: r itself, or, when
+    `noise` [Dn, V] has a row for that depth (row depth - 1), its place by scores * inv_temp + noise — the order
+    of the seeded rule's Gumbel-max draw at that index, as far as the recycled top-k logits tell."""
+    k = table.shape[1]
+    row = depth - 1
+    for r in range(k):
+        out[r] = r
+    if row >= noise.shape[0]:
+        return
+    for r in range(k):
+        c = table[token, r]
+        if c < 0 or c >= noise.shape[1]:
+            continue
+        key = scores[token, r] * inv_temp + noise[row, c]
+        place = 0
+        for r2 in range(k):
+            c2 = table[token, r2]
+            if r2 == r or c2 < 0 or c2 >= noise.shape[1]:
+                continue
+            key2 = scores[token, r2] * inv_temp + noise[row, c2]
+            if key2 > key or (key2 == key and r2 < r):
+                place += 1
+        out[r] = place
+
+
+@numba.njit(cache=True)
+def _grow(table, scores, noise, inv_temp, root, value, max_nodes, max_depth, paths, depth, rank, parent, score,
+          f_parent, f_column, f_rank, f_score, places):
     """Best-first growth of a draft tree from `root` over `table`; returns the node count n <= max_nodes.
 
     value: [D, k] float64, conditional acceptance of a node at depth d (row d - 1, last row for deeper ones) and
-    top-k rank r; max_depth <= paths.shape[1]. Writes, per node in selection order (a parent before its
-    children): paths[i, :depth[i]] its tokens from the root's child down to it, depth[i], rank[i] (its top-k
-    rank under its parent), parent[i] (-1 = the root), score[i] (product of the values along its path).
-    f_parent / f_rank / f_score: frontier scratch of at least max_nodes * k + k entries.
+    rank r; max_depth <= paths.shape[1]. A child's rank is its top-k column, or its place under the seeded
+    draw's noise when `noise` has a row for its depth (`_child_places`; scores [vocab, k] float32 the recycled
+    logits). Writes, per node in selection order (a parent before its children): paths[i, :depth[i]] its tokens
+    from the root's child down to it, depth[i], rank[i], parent[i] (-1 = the root), score[i] (product of the
+    values along its path). f_parent / f_column / f_rank / f_score: frontier scratch of at least
+    max_nodes * k + k entries; places: [k] scratch.
     """
     k = table.shape[1]
     n_front = 0
+    _child_places(table, scores, noise, inv_temp, root, 1, places)
     for r in range(k):  # the root's children
         if table[root, r] >= 0:
-            f_parent[n_front], f_rank[n_front], f_score[n_front] = -1, r, value[0, r]
+            f_parent[n_front], f_column[n_front], f_rank[n_front] = -1, r, places[r]
+            f_score[n_front] = value[0, places[r]]
             n_front += 1
     n = 0
     while n < max_nodes and n_front > 0:
@@ -61,21 +99,24 @@ def _grow(table, root, value, max_nodes, max_depth, paths, depth, rank, parent, 
         for j in range(1, n_front):
             if f_score[j] > f_score[best]:
                 best = j
-        p, r, s = f_parent[best], f_rank[best], f_score[best]
+        p, c, r, s = f_parent[best], f_column[best], f_rank[best], f_score[best]
         n_front -= 1  # remove `best`, keeping insertion order: ties go to the earlier (shallower, better-ranked)
         for j in range(best, n_front):
-            f_parent[j], f_rank[j], f_score[j] = f_parent[j + 1], f_rank[j + 1], f_score[j + 1]
+            f_parent[j], f_column[j] = f_parent[j + 1], f_column[j + 1]
+            f_rank[j], f_score[j] = f_rank[j + 1], f_score[j + 1]
         d = 1 if p < 0 else depth[p] + 1
         for j in range(d - 1):
             paths[n, j] = paths[p, j]
-        token = table[root, r] if p < 0 else table[paths[p, d - 2], r]
+        token = table[root, c] if p < 0 else table[paths[p, d - 2], c]
         paths[n, d - 1] = token
         depth[n], rank[n], parent[n], score[n] = d, r, p, s
         if d < max_depth:
             row = min(d, value.shape[0] - 1)
+            _child_places(table, scores, noise, inv_temp, token, d + 1, places)
             for r2 in range(k):
                 if table[token, r2] >= 0:
-                    f_parent[n_front], f_rank[n_front], f_score[n_front] = n, r2, s * value[row, r2]
+                    f_parent[n_front], f_column[n_front], f_rank[n_front] = n, r2, places[r2]
+                    f_score[n_front] = s * value[row, places[r2]]
                     n_front += 1
         n += 1
     return n
@@ -84,8 +125,10 @@ def _grow(table, root, value, max_nodes, max_depth, paths, depth, rank, parent, 
 class RecycleTable:
     """The adjacency table of recycled top-k predictions (see the module docstring), shareable and thread-safe.
 
-    The table is allocated for a vocabulary on first use (`ensure`); a call with another vocabulary size or k
-    starts a fresh table. Raises `ValueError` naming `k` unless 1 <= k <= 64.
+    Beside each stored next token it keeps that token's raw logit in the row that predicted it (`scores`), so a
+    seeded draft can order a node's children as the seeded draw would. The table is allocated for a vocabulary
+    on first use (`ensure`); a call with another vocabulary size or k starts a fresh table. Raises `ValueError`
+    naming `k` unless 1 <= k <= 64.
     """
 
     def __init__(self, k: int = 8):
@@ -94,10 +137,12 @@ class RecycleTable:
         self.k = k
         self._lock = threading.Lock()
         self.table = np.full((0, k), -1, dtype=np.int32)  # [vocab, k]
+        self.scores = np.zeros((0, k), dtype=np.float32)  # [vocab, k] raw logits of the stored tokens
         # Compile (or load from numba's disk cache) both kernels once, on a one-token table.
         warm = np.full((1, 1), -1, dtype=np.int32)
-        _update(warm, np.zeros(1, np.int64), np.zeros((1, 1), np.int64))
-        _Grower(1, 1, 1).grow(warm, 0, np.ones((1, 1)))
+        _update(warm, np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros((1, 1), np.int64),
+                np.zeros((1, 1), np.float32))
+        _Grower(1, 1, 1).grow(warm, np.zeros((1, 1), np.float32), 0, np.ones((1, 1)), NO_NOISE, 1.0)
 
     def ensure(self, vocab_size: int, k: int) -> None:
         """Make the table `[vocab_size, k]`, forgetting what it held if its shape changes."""
@@ -105,22 +150,24 @@ class RecycleTable:
             if self.table.shape != (vocab_size, k):
                 self.k = k
                 self.table = np.full((vocab_size, k), -1, dtype=np.int32)
+                self.scores = np.zeros((vocab_size, k), dtype=np.float32)
 
     def clear(self) -> None:
         """Forget every recycled prediction (the shape stays)."""
         with self._lock:
             self.table.fill(-1)
+            self.scores.fill(0.0)
 
-    def snapshot(self) -> np.ndarray:
-        """A copy of the table ([vocab, k] int32), for `restore`."""
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        """A copy of the table and its scores ([vocab, k] int32, [vocab, k] float32), for `restore`."""
         with self._lock:
-            return self.table.copy()
+            return self.table.copy(), self.scores.copy()
 
-    def restore(self, state: np.ndarray) -> None:
+    def restore(self, state: tuple[np.ndarray, np.ndarray]) -> None:
         """Put back a `snapshot` (its shape becomes the table's)."""
         with self._lock:
-            self.table = state.copy()
-            self.k = state.shape[1]
+            self.table, self.scores = state[0].copy(), state[1].copy()
+            self.k = self.table.shape[1]
 
     @property
     def known_tokens(self) -> int:
@@ -128,26 +175,34 @@ class RecycleTable:
         with self._lock:
             return int((self.table[:, 0] >= 0).sum())
 
-    def update(self, tokens: np.ndarray, topk: np.ndarray) -> None:
+    def update(self, tokens: np.ndarray, topk: np.ndarray, values: np.ndarray | None = None) -> None:
         """Store `topk` ([n, m] int64, best first) as the predicted next tokens of `tokens` ([n] int64), in order
-        (a later row wins for a repeated token). Rows are cut or padded (-1) to the table's k; tokens and
-        predictions outside the table's vocabulary are dropped (-1), so every stored id indexes the table."""
+        (a later row wins for a repeated token), with their raw logits `values` ([n, m] float32; None: zeros).
+        Rows are cut or padded (-1) to the table's k; tokens and predictions outside the table's vocabulary are
+        dropped (-1), so every stored id indexes the table."""
+        values = np.zeros(topk.shape, np.float32) if values is None else values
         with self._lock:
             vocab, k = self.table.shape
             keep = (tokens >= 0) & (tokens < vocab)
             rows = np.full((int(keep.sum()), k), -1, dtype=np.int64)  # [n', k]
+            logits = np.zeros((int(keep.sum()), k), dtype=np.float32)  # [n', k]
             width = min(k, topk.shape[1])
             rows[:, :width] = topk[keep, :width]
+            logits[:, :width] = values[keep, :width]
             rows[rows >= vocab] = -1
-            _update(self.table, np.ascontiguousarray(tokens[keep], dtype=np.int64), rows)
+            _update(self.table, self.scores, np.ascontiguousarray(tokens[keep], dtype=np.int64), rows, logits)
 
-    def grow(self, grower: "_Grower", root: int, value: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def grow(self, grower: "_Grower", root: int, value: np.ndarray, noise: np.ndarray,
+             inv_temp: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The draft grown from `root` by `grower` (see `_grow`): (paths [n, max_depth] int64, depth [n] int64,
         rank [n] int64), nodes in selection order (parents first); empty if the root was never verified."""
         if not 0 <= root < self.table.shape[0]:
             return grower.empty()
         with self._lock:
-            return grower.grow(self.table, root, value)
+            return grower.grow(self.table, self.scores, root, value, noise, inv_temp)
+
+
+NO_NOISE = np.zeros((0, 1), dtype=np.float32)  # `_grow` without noise rows: children ranked by top-k column
 
 
 class _Grower:
@@ -162,18 +217,22 @@ class _Grower:
         self.score = np.zeros(max_nodes, dtype=np.float64)  # [N]
         front = max_nodes * k + k
         self.f_parent = np.zeros(front, dtype=np.int64)
+        self.f_column = np.zeros(front, dtype=np.int64)
         self.f_rank = np.zeros(front, dtype=np.int64)
         self.f_score = np.zeros(front, dtype=np.float64)
+        self.places = np.zeros(k, dtype=np.int64)
 
     def empty(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A draft with no nodes."""
         return self.paths[:0], self.depth[:0], self.rank[:0]
 
-    def grow(self, table: np.ndarray, root: int, value: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Run `_grow` on `table` [vocab, k]; value: [D, k] float64. Returns copies (paths, depth, rank)."""
-        n = _grow(table, root, np.ascontiguousarray(value, dtype=np.float64), self.max_nodes, self.max_depth,
-                  self.paths, self.depth, self.rank, self.parent, self.score, self.f_parent, self.f_rank,
-                  self.f_score)
+    def grow(self, table: np.ndarray, scores: np.ndarray, root: int, value: np.ndarray, noise: np.ndarray,
+             inv_temp: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Run `_grow` on `table` [vocab, k] and its `scores`; value: [D, k] float64; noise: [Dn, V] float32
+        (`NO_NOISE`: rank by column). Returns copies (paths, depth, rank)."""
+        n = _grow(table, scores, noise, float(inv_temp), root, np.ascontiguousarray(value, dtype=np.float64),
+                  self.max_nodes, self.max_depth, self.paths, self.depth, self.rank, self.parent, self.score,
+                  self.f_parent, self.f_column, self.f_rank, self.f_score, self.places)
         return self.paths[:n].copy(), self.depth[:n].copy(), self.rank[:n].copy()
 
 
@@ -196,15 +255,19 @@ class RecycleDrafter:
         import torch
 
         k = min(self.k, logits.shape[-1])
-        topk = torch.topk(logits, k, dim=-1).indices.cpu().numpy()  # [n, k], one vectorised call per step
+        top = torch.topk(logits, k, dim=-1)  # one vectorised call per step
+        topk, values = top.indices.cpu().numpy(), top.values.float().cpu().numpy()  # [n, k] each
         if order is not None:
-            tokens, topk = tokens[order], topk[order]
-        self.table.update(np.asarray(tokens, dtype=np.int64), topk)
+            tokens, topk, values = tokens[order], topk[order], values[order]
+        self.table.update(np.asarray(tokens, dtype=np.int64), topk, values)
 
-    def propose(self, root: int, value: np.ndarray, max_len: int) -> tuple[list[np.ndarray], np.ndarray]:
+    def propose(self, root: int, value: np.ndarray, max_len: int, noise: np.ndarray = NO_NOISE,
+                inv_temp: float = 1.0) -> tuple[list[np.ndarray], np.ndarray]:
         """Draft paths from `root`: one path per grown node (root's child down to the node, parents first) and
-        each node's top-k rank [n] int64. `value` [D, k]: conditional acceptance by depth and rank; paths are
-        cut to `max_len` tokens (deeper nodes are dropped)."""
-        paths, depth, rank = self.table.grow(self._grower, int(root), value)
+        each node's rank [n] int64. `value` [D, k]: conditional acceptance by depth and rank; paths are cut to
+        `max_len` tokens (deeper nodes are dropped). `noise` [Dn, V] float32: the seeded rule's Gumbel noise at
+        the indices of depths 1..Dn, which then ranks a node's children by recycled logit * `inv_temp` + noise
+        (the order the seeded draw would pick them in) instead of by top-k column."""
+        paths, depth, rank = self.table.grow(self._grower, int(root), value, noise, inv_temp)
         keep = depth <= max_len
         return [p[:d] for p, d in zip(paths[keep], depth[keep].tolist())], rank[keep]

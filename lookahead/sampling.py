@@ -7,6 +7,8 @@ Gumbel-max over a draft tree) live in `verify.py`.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -66,10 +68,17 @@ def gumbel_noise(seed: int, index: int, vocab: int, device: torch.device | str =
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
     if index < 0:
         raise ValueError(f"index must be >= 0, got {index}")
+    return _cpu_gumbel_noise(seed, index, vocab).to(device, copy=True)  # a copy: callers may write to it
+
+
+@lru_cache(maxsize=64)
+def _cpu_gumbel_noise(seed: int, index: int, vocab: int) -> torch.Tensor:
+    """`gumbel_noise` on the CPU, remembered for the last 64 (seed, index, vocab): a seeded step drafts with the
+    noise of indices its verifying walk then reads again. Callers must not modify the returned tensor."""
     generator = torch.Generator().manual_seed(_splitmix64(_splitmix64(seed) ^ index))
     uniform = torch.rand(vocab, generator=generator, dtype=torch.float64)
     uniform = uniform.clamp_min(torch.finfo(torch.float64).tiny)  # rand is in [0, 1): keep log finite
-    return (-torch.log(-torch.log(uniform))).to(device)
+    return -torch.log(-torch.log(uniform))
 
 
 def gumbel_scores(probs: torch.Tensor, seed: int, index: int) -> torch.Tensor:

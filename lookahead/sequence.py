@@ -9,11 +9,12 @@ import torch
 from .budget import StepPlanner, expected_tokens
 from .config import LookaheadConfig
 from .draft_model import ModelDrafter
+from .draft_noise import SeededDraftNoise, sampling_temperature
 from .drafters import DRAFT_MODEL, POOL, SOURCE_DRAFTER, Drafters
 from .jacobi import JacobiWindow
 from .layout import SequenceDrafts
 from .request import DecodeRequest
-from .rules import make_rule
+from .rules import SeededRule, make_rule
 from .scores import ScoreRecord
 from .stats import AcceptedDrafts
 from .tree import DraftTree
@@ -49,6 +50,7 @@ class Sequence:
         self.planner = StepPlanner(request.cost_curve, len(SOURCE_DRAFTER),
                                    config.window_size if self.window is not None else 0)
         self._candidates: DraftTree | None = None
+        self._noise: SeededDraftNoise | None = None  # seeded sampling with recycling: set once the vocabulary is known
 
     def _model_drafter(self) -> ModelDrafter | None:
         """The draft model's drafter (None without a draft model); it skips the prompt's left padding."""
@@ -75,8 +77,9 @@ class Sequence:
         drafter = self.drafters.model_drafter
         chain = None if drafter is None else \
             self.planner.chain_length(DRAFT_MODEL, drafter.seconds_per_token, self.config.draft_tokens)
+        noise = None if self._noise is None else self._noise.at(self.length - 1)
         self._candidates = self.drafters.draft(root, self.request.max_length - self.length - 1, chain,
-                                               self.planner.rates.rates())
+                                               self.planner.rates.rates(), noise)
         return self.planner.rank(self._candidates).prune(self.config.tree_budget)
 
     def drafts(self, tree: DraftTree, use_window: bool) -> SequenceDrafts:
@@ -86,6 +89,9 @@ class Sequence:
     def first_token(self, logits: torch.Tensor) -> int:
         """The token chosen by the rule from the prefill's last logits [V]."""
         self.drafters.recycle_rows(self.ids[self.length - 1: self.length], logits.view(1, -1))
+        if isinstance(self.rule, SeededRule) and self.drafters.recycle is not None:
+            self._noise = SeededDraftNoise(self.rule.seed, logits.shape[-1], self.config.max_draft_len,
+                                           sampling_temperature(self.request.logits_processor))
         scores = self.score([], logits) if self.has_processors else logits
         if self.record is not None:
             self.record.record(0, logits.view(1, -1), [scores])

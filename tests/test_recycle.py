@@ -206,3 +206,53 @@ def test_one_lookahead_object_keeps_its_table_across_calls():
     other = Lookahead(recycle_table=shared)
     model.generate(repetitive_prompt(2), do_sample=False, max_new_tokens=8, custom_generate=other)
     assert other.recycle_table is shared and shared.known_tokens > 0
+
+
+def _scored_table() -> RecycleTable:
+    """Root 1 predicts 2, 3, 4 and token 2 predicts 5, 6, 7, each with recycled logits 3, 2, 1."""
+    table = RecycleTable(K)
+    table.ensure(16, K)
+    logits = np.array([[3.0, 2.0, 1.0]] * 2, dtype=np.float32)
+    table.update(np.array([1, 2]), np.array([[2, 3, 4], [5, 6, 7]]), logits)
+    return table
+
+
+CONFIDENT = np.array([[0.9, 0.05, 0.01]] * 2)
+
+
+def test_seeded_noise_orders_children_as_the_seeded_draw_would():
+    drafter = _drafter(_scored_table(), nodes=3, depth=2)
+    noise = np.zeros((2, 16), dtype=np.float32)  # row d - 1: the noise of the token at depth d
+    noise[0, 4] = 2.5  # depth 1: token 4 scores 1 + 2.5 > token 2's 3
+    noise[1, 6] = 1.5  # depth 2: token 6 scores 2 + 1.5 > token 5's 3
+    paths, ranks = drafter.propose(1, CONFIDENT, 8, noise, 1.0)
+    assert [p.tolist() for p in paths] == [[4], [2], [2, 6]] and ranks.tolist() == [0, 1, 0]
+    plain, plain_ranks = drafter.propose(1, CONFIDENT, 8)  # without noise: the top-k order
+    assert [p.tolist() for p in plain] == [[2], [2, 5], [3]] and plain_ranks.tolist() == [0, 0, 1]
+
+
+def test_seeded_noise_scales_the_recycled_logits_by_one_over_temperature():
+    drafter = _drafter(_scored_table(), nodes=1, depth=2)
+    noise = np.zeros((1, 16), dtype=np.float32)
+    noise[0, 4] = 1.8  # token 4: 1 / T + 1.8 against token 2's 3 / T
+    assert drafter.propose(1, CONFIDENT, 8, noise, 1.0)[0][0].tolist() == [2]  # T = 1: 2.8 < 3
+    assert drafter.propose(1, CONFIDENT, 8, noise, 0.5)[0][0].tolist() == [4]  # T = 2: 2.3 > 1.5
+
+
+def test_noise_rows_reach_only_their_depths():
+    drafter = _drafter(_scored_table(), nodes=3, depth=2)
+    noise = np.zeros((1, 16), dtype=np.float32)
+    noise[0, 3] = 5.0  # depth 1 only: depth 2 keeps the top-k order
+    paths, ranks = drafter.propose(1, CONFIDENT, 8, noise, 1.0)
+    assert [p.tolist() for p in paths] == [[3], [2], [2, 5]] and ranks.tolist() == [0, 1, 0]
+
+
+def test_observe_keeps_the_recycled_logits_and_snapshots_restore_them():
+    table = RecycleTable(K)
+    drafter = RecycleDrafter(table, 8, K, 4, 2)
+    drafter.observe(np.array([2]), torch.tensor([[0.0, 5, 1, 4, 0, 0, 3, 0]]))
+    assert table.table[2].tolist() == [1, 3, 6] and table.scores[2].tolist() == [5.0, 4.0, 3.0]
+    saved = table.snapshot()
+    table.clear()
+    table.restore(saved)
+    assert table.table[2].tolist() == [1, 3, 6] and table.scores[2].tolist() == [5.0, 4.0, 3.0]

@@ -1,0 +1,56 @@
+"""Noise-aware drafting under seeded sampling: the noise rows a draft sees are exactly the seeded rule's, and a
+seeded generation hands them to token recycling."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+from lookahead import Lookahead, LookaheadConfig
+from lookahead.draft_noise import SeededDraftNoise, sampling_temperature
+from lookahead.recycle import RecycleDrafter
+from lookahead.sampling import gumbel_noise
+from tiny_models import build_tiny_model, repetitive_prompt
+
+
+def _expected(seed: int, first: int, depth: int, vocab: int) -> np.ndarray:
+    return np.stack([gumbel_noise(seed, first + d, vocab).numpy().astype(np.float32) for d in range(depth)])
+
+
+def test_rows_are_the_seeded_rules_noise_after_the_root_as_it_moves():
+    noise = SeededDraftNoise(seed=9, vocab=50, depth=4, temperature=0.5)
+    for root in (10, 11, 13, 13, 20, 3):  # forward by one and by two, standing still, a jump, backwards
+        rows = noise.at(root)
+        assert np.array_equal(rows.rows, _expected(9, root + 1, 4, 50)), root
+        assert rows.inv_temp == 2.0
+
+
+def test_gumbel_noise_hands_out_copies():
+    first = gumbel_noise(4, 2, 30)
+    first.zero_()
+    assert not torch.equal(gumbel_noise(4, 2, 30), first)
+
+
+def test_sampling_temperature_reads_the_temperature_warper():
+    assert sampling_temperature(LogitsProcessorList([TopPLogitsWarper(0.9), TemperatureLogitsWarper(0.7)])) == 0.7
+    assert sampling_temperature(LogitsProcessorList([TopPLogitsWarper(0.9)])) == 1.0
+
+
+def test_a_seeded_generation_drafts_with_its_noise_and_greedy_without(monkeypatch):
+    seen = []
+    propose = RecycleDrafter.propose
+
+    def spy(self, root, value, max_len, noise=np.zeros((0, 1), np.float32), inv_temp=1.0):
+        seen.append((noise.shape[0], inv_temp))
+        return propose(self, root, value, max_len, noise, inv_temp)
+
+    monkeypatch.setattr(RecycleDrafter, "propose", spy)
+    model = build_tiny_model("llama", dtype=torch.float64, seed=3, vocab=32)
+    prompt = repetitive_prompt(1, vocab=32)
+    config = LookaheadConfig(seed=5)
+    model.generate(prompt, do_sample=True, temperature=0.7, max_new_tokens=12, custom_generate=Lookahead(config))
+    assert seen and all(rows == config.max_draft_len and abs(inv - 1 / 0.7) < 1e-9 for rows, inv in seen)
+    seen.clear()
+    model.generate(prompt, do_sample=False, max_new_tokens=12, custom_generate=Lookahead(config))
+    assert seen and all(rows == 0 for rows, _ in seen)
