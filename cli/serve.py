@@ -80,5 +80,6 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, context_length
     click.echo(f"lookahead serve: model {settings.model_name!r} at http://{host}:{port}/v1", err=True)
     try:
         run_server(app, host, port)
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once its shutdown is complete
-        click.echo("lookahead serve: stopped", err=True)
+    except KeyboardInterrupt:  # uvicorn usually re-raises Ctrl-C once its shutdown is complete ...
+        pass  # ... but asyncio's own SIGINT handler may swallow the re-raised signal: it returns normally then
+    click.echo("lookahead serve: stopped", err=True)

@@ -24,6 +24,10 @@ from .tree import DraftTree
 PROBE_EVERY = 16  # a resting draft model still drafts one token this often
 MAX_DEPTH = 8  # acceptance is estimated per depth 1..MAX_DEPTH; deeper nodes share the last estimate
 SIBLING_CAP = 0.99  # the children of one node together are accepted with probability below this
+# Weight of the previous step's counts in the acceptance estimates (a memory of ~20 steps). Measured on the fixed
+# curve (bench_drafts, 6 prompts per category): 0.9 -> 0.95 gave 1.28x -> 1.32x modeled speed under seeded sampling,
+# where a shorter memory chases lucky streaks (the planner then verifies more than pays), and no loss greedy.
+DECAY = 0.95
 
 
 class AcceptanceRates:
@@ -35,7 +39,7 @@ class AcceptanceRates:
     (or not for long) starts from what its shallower nodes showed instead of a fixed guess.
     """
 
-    def __init__(self, n_sources: int, prior: float = 0.3, decay: float = 0.9, depths: int = MAX_DEPTH):
+    def __init__(self, n_sources: int, prior: float = 0.3, decay: float = DECAY, depths: int = MAX_DEPTH):
         self.accepted = np.zeros((n_sources, depths))  # [n_sources, depths], decayed counts
         self.tested = np.zeros((n_sources, depths))  # [n_sources, depths]
         self.prior, self.prior_weight, self.decay = prior, 2.0, decay
