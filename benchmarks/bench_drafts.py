@@ -77,7 +77,9 @@ def run_variants(model, tokenizer, prompts, variants, curve, max_new_tokens: int
             stats = decoder.last_stats
             runs.append({"variant": name, "prompt_id": prompt.id, "category": prompt.category,
                          "steps": stats.steps, "tokens": stats.step_tokens, "rows": stats.rows_verified,
-                         "cost": sum(curve.ratio(n) for n in stats.step_rows)})
+                         "cost": sum(curve.ratio(n) for n in stats.step_rows),
+                         "predicted": sum(p for p, _ in stats.calibration),
+                         "predicted_steps": len(stats.calibration)})
             bar.update()
     bar.close()
     return {"variants": {name: overrides for name, overrides in variants}, "decoding": {**decoding, **seeded},
@@ -85,19 +87,22 @@ def run_variants(model, tokenizer, prompts, variants, curve, max_new_tokens: int
 
 
 def summarize(runs: list[dict]) -> dict:
-    """{variant: {category or "all": {tokens_per_step, rows_per_step, modeled_speed}}}."""
+    """{variant: {category or "all": {tokens_per_step, rows_per_step, modeled_speed, predicted_per_step}}}
+    (predicted_per_step: the planner's mean predicted tokens over the steps it predicted)."""
     out: dict = {}
     for run in runs:
         for group in (run["category"], "all"):
             cell = out.setdefault(run["variant"], {}).setdefault(group, {"tokens": 0, "steps": 0, "rows": 0,
-                                                                         "cost": 0.0})
-            for key in ("tokens", "steps", "rows", "cost"):
-                cell[key] += run[key]
+                                                                         "cost": 0.0, "predicted": 0.0,
+                                                                         "predicted_steps": 0})
+            for key in ("tokens", "steps", "rows", "cost", "predicted", "predicted_steps"):
+                cell[key] += run.get(key, 0)
     for groups in out.values():
         for cell in groups.values():
             steps = max(cell["steps"], 1)
             cell.update(tokens_per_step=cell["tokens"] / steps, rows_per_step=cell["rows"] / steps,
-                        modeled_speed=cell["tokens"] / cell["cost"] if cell["cost"] else 0.0)
+                        modeled_speed=cell["tokens"] / cell["cost"] if cell["cost"] else 0.0,
+                        predicted_per_step=cell["predicted"] / max(cell["predicted_steps"], 1))
     return out
 
 

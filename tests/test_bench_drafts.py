@@ -39,6 +39,9 @@ def test_variants_run_on_the_fixed_curve_and_summarize_what_they_did(tiny_model)
     expected = sum(r["tokens"] for r in all_runs) / sum(r["cost"] for r in all_runs)
     assert summary["all"]["all"]["modeled_speed"] == pytest.approx(expected)
     assert summary["all"]["all"]["rows_per_step"] > 1.0  # the cheap curve makes drafts worth verifying
+    predicted = sum(r["predicted"] for r in all_runs) / sum(r["predicted_steps"] for r in all_runs)
+    assert summary["all"]["all"]["predicted_per_step"] == pytest.approx(predicted) and predicted > 1.0
+    assert summary["off"]["all"]["predicted_per_step"] == pytest.approx(1.0)  # nothing verified: 1 token
     table = bench_drafts.format_table({**out, "command": "python bench"})
     assert table.splitlines()[-1].startswith("| **all** |") and "| code |" in table
 
