@@ -223,19 +223,20 @@ class BatchPlanner:
     whether its window runs, from its `StepPlanner` and its candidate tree.
 
     curve: the model's cost curve at one sequence; batch_curve: its curve at `batch` sequences (used while more than
-    one sequence runs; None when `batch` is 1); unseeded_sampling: the generation samples without a seed. Without
-    a curve every candidate is verified. The curve is taken at the current cache length and corrected by the
-    generation's own timed steps (`record`), so the first step with a curve is a plain one (the reference time) —
-    except for unseeded sampling at batch size 1, whose random draws must not depend on timings, and when
-    `follow_timings` is False (a fixed curve the caller chose: the plan follows it alone).
+    one sequence runs; None when `batch` is 1); draws_follow_plan: the rule's random draws depend on the plan
+    (`rules.draws_follow_the_plan`: unseeded sampling with a draft model). Without a curve every candidate is
+    verified. The curve is taken at the current cache length and corrected by the generation's own timed steps
+    (`record`), so the first step with a curve is a plain one (the reference time) — except at batch size 1 when
+    the draws follow the plan (they must not depend on timings), and when `follow_timings` is False (a fixed
+    curve the caller chose: the plan follows it alone).
     """
 
-    def __init__(self, curve: CostCurve | None, batch_curve: CostCurve | None, batch: int, unseeded_sampling: bool,
+    def __init__(self, curve: CostCurve | None, batch_curve: CostCurve | None, batch: int, draws_follow_plan: bool,
                  follow_timings: bool = True):
         self.curve, self.batch_curve, self.batch = curve, batch_curve, batch
-        # Unseeded sampling draws from one generator in step order, so a plan that followed timings would make
-        # `torch.manual_seed` runs differ: it plans on the measured curve alone (at this cache length).
-        self.timed = follow_timings and not (batch == 1 and unseeded_sampling)
+        # A rule drawing from one generator in step order would make `torch.manual_seed` runs differ if the plan
+        # followed timings: it plans on the measured curve alone (at this cache length).
+        self.timed = follow_timings and not (batch == 1 and draws_follow_plan)
         self.observed = ObservedCost(batch_curve if batch > 1 else curve)
 
     def record(self, rows: int, seconds: float) -> None:

@@ -14,6 +14,7 @@ from .cache import keep_rows_batched, keep_sequences
 from .config import LookaheadConfig
 from .layout import pack_batch, sliding_window
 from .request import DecodeRequest
+from .rules import draws_follow_the_plan
 from .scores import padded_tail_logits, step_outputs
 from .sequence import Sequence
 from .stats import DecodeStats
@@ -50,7 +51,9 @@ class Decoder:
         self.active: list[int] = []  # indices into `sequences`, in the cache's batch order
         self.cut_at_stop = request.pad_finished or request.input_ids.shape[0] == 1
         self.batch_planner = BatchPlanner(request.cost_curve, request.batch_cost_curve, request.input_ids.shape[0],
-                                          request.do_sample and config.seed is None, request.follow_timings)
+                                          draws_follow_the_plan(request.do_sample, config.seed,
+                                                                request.draft_model is not None),
+                                          request.follow_timings)
         self.window = sliding_window(model.config)  # the step masks apply it (the cache keeps every slot)
 
     @torch.no_grad()

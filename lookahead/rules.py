@@ -75,15 +75,30 @@ class SeededRule:
         return verify_seeded(tree, _probs_at(tree, logits, scorer), self.seed, root_index)
 
 
-def make_rule(do_sample: bool, seed: int | None):
-    """GreedyRule, SeededRule (do_sample with a seed) or SampledRule (do_sample without one: the generator
-    is seeded from torch's global RNG, so `torch.manual_seed` makes runs repeatable)."""
+def make_rule(do_sample: bool, seed: int | None, draft_model: bool = False):
+    """The rule of one sequence: GreedyRule; SeededRule for sampling with a seed; for sampling without one, a
+    SeededRule whose seed is drawn from torch's global RNG (so `torch.manual_seed` makes runs repeatable) —
+    unless a draft model drafts (`draft_model`), then a SampledRule with a generator seeded the same way.
+
+    Without a seed the output must follow the target's law, not one fixed draw, and both rules do: Gumbel-max
+    with fresh noise per index is an exact sample at every index. The seeded draw is the better default for
+    model-free drafts: its noise is known before the target scores anything, so drafting can aim at the token
+    the draw will pick (noise-aware recycling), and its tokens depend on the seed alone — never on what was
+    drafted or on timings, so the planner may follow measured step times. A draft model's chain is sampled
+    from its own q; rejection sampling (accept with min(1, p/q)) uses q fully, so it keeps SampledRule."""
     if not do_sample:
         return GreedyRule()
     if seed is not None:
         return SeededRule(seed)
-    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
-    return SampledRule(generator)
+    drawn = int(torch.randint(0, 2**62, (1,)))
+    return SampledRule(torch.Generator().manual_seed(drawn)) if draft_model else SeededRule(drawn)
+
+
+def draws_follow_the_plan(do_sample: bool, seed: int | None, draft_model: bool) -> bool:
+    """Whether `make_rule` gives a rule whose random draws depend on the plan (SampledRule draws from one
+    generator in step order): its plans must then not follow timings, or `torch.manual_seed` runs would
+    differ."""
+    return do_sample and seed is None and draft_model
 
 
 def _probs_at(tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer) -> NodeProbs:

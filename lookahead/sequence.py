@@ -38,7 +38,8 @@ class Sequence:
         self.length, self.prompt_length = len(prompt), len(prompt)
         self.hidden, self.root_position = hidden, root_position
         self.stop_length: int | None = None  # length when the stopping criteria first fired
-        self.rule = make_rule(request.do_sample, copy_seed(config.seed, index % request.copies))
+        self.rule = make_rule(request.do_sample, copy_seed(config.seed, index % request.copies),
+                              request.draft_model is not None)
         self.record = ScoreRecord() if request.record_scores else None  # for output_scores / output_logits
         # The recycling table outlives the request when the caller shares one (a `Lookahead` object, a server).
         self.drafters = Drafters(config, vocab_size, prompt, request.shared_drafter, self._model_drafter(),

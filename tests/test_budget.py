@@ -171,17 +171,17 @@ def test_stats_record_the_planners_prediction_for_every_step():
     assert stats.as_dict()["mean_expected_tokens"] == pytest.approx(stats.mean_expected_tokens)
 
 
-def test_batch_planner_starts_with_a_plain_step_unless_sampling_is_unseeded():
+def test_batch_planner_starts_with_a_plain_step_unless_the_draws_follow_the_plan():
     tree = DraftTree.from_paths(1, [[2, 3, 4], [5, 6]], [PROMPT, POOL], budget=8)
     planner = StepPlanner(FLAT, len(SOURCE_DRAFTER), 0)
     planner.rates.tested[:], planner.rates.accepted[:] = 100.0, 90.0
-    timed = budget.BatchPlanner(FLAT, None, 1, unseeded_sampling=False)
+    timed = budget.BatchPlanner(FLAT, None, 1, draws_follow_plan=False)
     assert [(t.size, w) for t, w in timed.plan([planner], [tree], 256)] == [(1, False)]  # the reference time first
     timed.record(1, 0.05)
     assert timed.plan([planner], [tree], 256)[0][0].size == tree.size
-    untimed = budget.BatchPlanner(FLAT, None, 1, unseeded_sampling=True)  # random draws must not follow timings
+    untimed = budget.BatchPlanner(FLAT, None, 1, draws_follow_plan=True)  # random draws must not follow timings
     assert untimed.plan([planner], [tree], 256)[0][0].size == tree.size
-    batch = budget.BatchPlanner(FLAT, FLAT, 2, unseeded_sampling=True)
+    batch = budget.BatchPlanner(FLAT, FLAT, 2, draws_follow_plan=True)
     assert [t.size for t, _ in batch.plan([planner] * 2, [tree] * 2, 256)] == [1, 1]  # batches are always timed
     assert budget.BatchPlanner(None, None, 1, False).plan([StepPlanner(None, len(SOURCE_DRAFTER), 0)], [tree],
                                                           256)[0][0].size == tree.size

@@ -1,8 +1,10 @@
 """Sampling through the decoder on tiny random models: exact in law, and seeded runs reproduce themselves.
 
 (b) The joint law of the first two sampled tokens under speculative sampling matches the law computed by
-enumeration from the model (chi-square, alpha = 1e-4). Seeded sampling gives the same tokens with and
-without speculation (`Lookahead(seed=s)` vs the non-speculative loop with the same seed).
+enumeration from the model (chi-square, alpha = 1e-4) — without a seed, i.e. with the seeded rule on a seed
+drawn from torch's RNG per generation. Seeded sampling gives the same tokens with and without speculation
+(`Lookahead(seed=s)` vs the non-speculative loop with the same seed), and so does unseeded sampling after the
+same `torch.manual_seed`.
 """
 
 from __future__ import annotations
@@ -83,6 +85,35 @@ def test_seeds_change_the_draws():
     outs = {tuple(model.generate(prompt, do_sample=True, max_new_tokens=20,
                                  custom_generate=Lookahead(seed=s))[0].tolist()) for s in range(4)}
     assert len(outs) > 1
+
+
+def test_unseeded_sampling_draws_a_seed_so_speculation_does_not_change_the_tokens():
+    """Without a seed each sequence draws one from torch's RNG and samples with the seeded rule: after one
+    `torch.manual_seed` the tokens are the same with and without speculation (a rule drawing from a generator
+    in step order would consume different draws as soon as a drafted child is tried)."""
+    model = build_tiny_model("llama", dtype=torch.float64, seed=3, vocab=32)
+    prompt = repetitive_prompt(2, vocab=32)
+    runs, decoders = [], [Lookahead(LookaheadConfig(**SPECULATE)), Lookahead(LookaheadConfig.off())]
+    for decoder in decoders:
+        torch.manual_seed(5)
+        runs.append(model.generate(prompt, do_sample=True, max_new_tokens=24, custom_generate=decoder))
+    assert sum(decoders[0].last_stats.accepted_by_drafter.values()) > 0, "speculation must really happen"
+    assert torch.equal(*runs)
+
+
+def test_unseeded_rules_draw_their_seeds_from_torchs_rng():
+    from lookahead.rules import GreedyRule, SampledRule, SeededRule, draws_follow_the_plan, make_rule
+
+    torch.manual_seed(9)
+    first, second = make_rule(True, None), make_rule(True, None)
+    torch.manual_seed(9)
+    again = make_rule(True, None)
+    assert isinstance(first, SeededRule) and first.seed == again.seed != second.seed
+    assert isinstance(make_rule(True, None, draft_model=True), SampledRule)  # a draft model's q: rejection
+    assert isinstance(make_rule(True, 7, draft_model=True), SeededRule) and make_rule(True, 7).seed == 7
+    assert isinstance(make_rule(False, None), GreedyRule)
+    assert draws_follow_the_plan(True, None, True)
+    assert not any(draws_follow_the_plan(*args) for args in ((True, None, False), (True, 7, True), (False, None, True)))
 
 
 def test_unseeded_sampling_follows_torch_manual_seed():
