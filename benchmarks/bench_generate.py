@@ -16,7 +16,8 @@ output is token-identical to HF greedy on the same prompt and repetition. Per ca
 each method, the sum over prompts of the median (and of the min) time over repetitions, the speedups over each
 baseline that ran (ratios of tokens per second: of times when the outputs are identical), tokens per step,
 tokens/s, the planner's predicted tokens per step and the identical-output rate. The markdown tables printed at
-the end are ready for the README; the JSON holds every run, the summary, the settings, the machine and the
+the end are ready for the README, each followed by a per-prompt line (lowest and highest speedup, and which
+prompts ran below 1.0x by median and by best time); the JSON holds every run, the summary, the settings, the machine and the
 command line.
 
 Token recycling keeps its table across the calls of one `Lookahead` object. So that a repetition never drafts
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -179,11 +181,44 @@ def format_tables(result: dict) -> str:
     lines = [machine_line(result), "", f"Command: `{result['command']}`", ""]
     for method in subjects:
         lines += _method_table(result, method) + [""]
+        lines += [line for baseline in ("hf_greedy", "hf_prompt_lookup")
+                  if (line := per_prompt_line(result["runs"], method, baseline)) is not None] + [""]
     if any(m in ABLATION for m in methods):
         lines += _ablation_table(result) + [""]
     if all(m in methods for m in SAMPLED_METHODS):
         lines += _sampled_table(result) + [""]
+        line = per_prompt_line(result["runs"], "lookahead_sample", "hf_sample")
+        lines += [line, ""] if line is not None else []
     return "\n".join(lines).rstrip() + "\n"
+
+
+def per_prompt_ratios(runs: list[dict], method: str, baseline: str) -> dict[str, tuple[float, float]]:
+    """{prompt id: (speedup from the median times, speedup from the best times)} of `method` over `baseline`
+    (baseline seconds / method seconds over the repetitions), for every prompt both ran."""
+    times: dict[tuple[str, str], list[float]] = {}
+    for run in runs:
+        times.setdefault((run["prompt_id"], run["method"]), []).append(run["seconds"])
+    ratios = {}
+    for (prompt_id, name), seconds in times.items():
+        base = times.get((prompt_id, baseline))
+        if name == method and base:
+            ratios[prompt_id] = (statistics.median(base) / statistics.median(seconds), min(base) / min(seconds))
+    return ratios
+
+
+def per_prompt_line(runs: list[dict], method: str, baseline: str) -> str | None:
+    """One line: the lowest and highest per-prompt speedup of `method` over `baseline` (median times) and how
+    many prompts ran below 1.0x, by the median and by the best time; None when no prompt has both."""
+    ratios = per_prompt_ratios(runs, method, baseline)
+    if not ratios:
+        return None
+    ordered = sorted(ratios.items(), key=lambda item: item[1][0])
+    (low_id, (low, _)), (high_id, (high, _)) = ordered[0], ordered[-1]
+    below = [prompt_id for prompt_id, (median, _) in ordered if median < 1.0]
+    below_best = sum(best < 1.0 for _, best in ratios.values())
+    listed = f" ({', '.join(below)})" if below else ""
+    return (f"Per prompt, {method} vs {baseline}: {low:.2f}x ({low_id}) to {high:.2f}x ({high_id}); "
+            f"{len(below)} of {len(ratios)} below 1.0x by median time{listed}, {below_best} by best time.")
 
 
 def _method_table(result: dict, method: str) -> list[str]:

@@ -80,11 +80,25 @@ def test_summary_structure(result):
     assert json.loads(json.dumps(result))["settings"]["methods"] == METHODS
 
 
+def test_per_prompt_line_names_the_extremes_and_the_prompts_below_one():
+    runs = [{"prompt_id": pid, "method": method, "seconds": seconds}
+            for pid, method, seconds in (("a", "hf_greedy", 2.0), ("a", "hf_greedy", 4.0), ("a", "lookahead", 1.0),
+                                         ("a", "lookahead", 3.0), ("b", "hf_greedy", 1.0), ("b", "lookahead", 1.25),
+                                         ("b", "lookahead", 0.9), ("c", "lookahead", 1.0))]
+    ratios = bench_generate.per_prompt_ratios(runs, "lookahead", "hf_greedy")
+    assert ratios == pytest.approx({"a": (1.5, 2.0), "b": (1.0 / 1.075, 1.0 / 0.9)})  # c: no baseline run
+    line = bench_generate.per_prompt_line(runs, "lookahead", "hf_greedy")
+    assert line == ("Per prompt, lookahead vs hf_greedy: 0.93x (b) to 1.50x (a); 1 of 2 below 1.0x by median time "
+                    "(b), 0 by best time.")
+    assert bench_generate.per_prompt_line(runs, "lookahead", "hf_prompt_lookup") is None
+
+
 def test_table_has_a_row_per_category_and_all(result):
     table = bench_generate.format_tables(result)
     rows = [line for line in table.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0] for row in rows] == ["| category", "| code", "| chat", "| **all**"]
     assert "Command: `python bench`" in table
+    assert "Per prompt, lookahead vs hf_greedy: " in table and "Per prompt, lookahead vs hf_prompt_lookup: " in table
 
 
 def test_plots_are_written(result, tmp_path):
