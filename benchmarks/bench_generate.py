@@ -17,8 +17,8 @@ each method, the sum over prompts of the median (and of the min) time over repet
 baseline that ran (ratios of tokens per second: of times when the outputs are identical), tokens per step,
 tokens/s, the planner's predicted tokens per step and the identical-output rate. The markdown tables printed at
 the end are ready for the README, each followed by a per-prompt line (lowest and highest speedup, and which
-prompts ran below 1.0x by median and by best time); the JSON holds every run, the summary, the settings, the machine and the
-command line.
+prompts ran below 1.0x by median and by best time); the JSON holds every run, the summary, the settings, the
+machine and the command line.
 
 Token recycling keeps its table across the calls of one `Lookahead` object. So that a repetition never drafts
 from its own earlier output, each run starts from the table as it stood before that prompt's first run (warm

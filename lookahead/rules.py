@@ -88,10 +88,10 @@ def make_rule(do_sample: bool, seed: int | None, draft_model: bool = False):
     from its own q; rejection sampling (accept with min(1, p/q)) uses q fully, so it keeps SampledRule."""
     if not do_sample:
         return GreedyRule()
-    if seed is not None:
-        return SeededRule(seed)
-    drawn = int(torch.randint(0, 2**62, (1,)))
-    return SampledRule(torch.Generator().manual_seed(drawn)) if draft_model else SeededRule(drawn)
+    drawn = seed if seed is not None else int(torch.randint(0, 2**62, (1,)))  # a given seed consumes no RNG
+    if draws_follow_the_plan(do_sample, seed, draft_model):
+        return SampledRule(torch.Generator().manual_seed(drawn))
+    return SeededRule(drawn)
 
 
 def draws_follow_the_plan(do_sample: bool, seed: int | None, draft_model: bool) -> bool:
