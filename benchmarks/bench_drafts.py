@@ -28,12 +28,15 @@ def parse_args(argv: list[str] | None = None):
     """Options: the suite's (model, categories, prompts, lengths, threads), `--variant NAME[:k=v,k=v]` (repeatable;
     default: the config's defaults alone), `--curve FILE` (a cost-curve JSON as `lookahead calibrate` caches it;
     default: this model's measured curve), `--fresh-table` (clear the recycling table before every prompt) and
-    `--sample` (seeded sampling instead of greedy decoding)."""
+    `--sample` (seeded sampling instead of greedy decoding), `--datastore PATH` (repeatable: a datastore every
+    variant drafts from)."""
     parser = common_parser(__doc__.splitlines()[0], prompts_per_category=3, repeats=1)
     parser.add_argument("--variant", action="append", default=[], metavar="NAME[:KEY=VALUE,...]")
     parser.add_argument("--curve", type=Path, default=None)
     parser.add_argument("--fresh-table", action="store_true")
     parser.add_argument("--sample", action="store_true", help="seeded sampling (T=0.7, top_p=0.95) instead of greedy")
+    parser.add_argument("--datastore", action="append", default=[], metavar="PATH",
+                        help="text file or folder every variant drafts from (lookahead.datastore); repeatable")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     try:
@@ -53,8 +56,9 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 def run_variants(model, tokenizer, prompts, variants, curve, max_new_tokens: int, fresh_table: bool,
-                 progress: bool = True, sample: bool = False) -> dict:
-    """Generate every prompt with every variant on `curve` (greedy, or seeded sampling with `sample`); returns
+                 progress: bool = True, sample: bool = False, shared=None) -> dict:
+    """Generate every prompt with every variant on `curve` (greedy, or seeded sampling with `sample`; `shared`: a
+    shared drafter such as a datastore, None: none); returns
     {"variants", "decoding", "runs", "summary"}. Raises `AssertionError` naming the prompt if a variant's output
     differs from the first variant's."""
     from lookahead import Lookahead, LookaheadConfig
@@ -65,7 +69,7 @@ def run_variants(model, tokenizer, prompts, variants, curve, max_new_tokens: int
     decoding = dict(SAMPLING) if sample else {"do_sample": False}
     seeded = {"seed": SAMPLE_SEED} if sample else {}
     for name, overrides in variants:
-        decoder = Lookahead(LookaheadConfig(**{**seeded, **overrides}), cost_curve=curve)
+        decoder = Lookahead(LookaheadConfig(**{**seeded, **overrides}), cost_curve=curve, shared_drafter=shared)
         for prompt, ids in zip(prompts, encoded):
             bar.set_postfix_str(f"{name} {prompt.id}")
             if fresh_table and decoder.recycle_table is not None:
@@ -122,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     from lookahead import LookaheadConfig
     from lookahead.calibration import cost_curve_for
     from lookahead.cost_curve import CostCurve
+    from lookahead.datastore import build_datastore
     from lookahead.hf import generation_arithmetic
 
     model, tokenizer = load_target(args)
@@ -132,8 +137,10 @@ def main(argv: list[str] | None = None) -> None:
             curve = cost_curve_for(model)
     prompts = load_prompts(args.categories, args.prompts_per_category, args.prompts_dir)
     machine = machine_info(args.threads)
+    shared, report = build_datastore(args.datastore, tokenizer) if args.datastore else (None, None)
     result = run_variants(model, tokenizer, prompts, args.variants, curve, args.max_new_tokens, args.fresh_table,
-                          sample=args.sample)
+                          sample=args.sample, shared=shared)
+    result["datastore"] = None if report is None else report.summary()
     result["cost_curve"] = json.loads(curve.to_json())
     result = headed(result, machine, model=args.model or "SmolLM2-135M-Instruct (embedded default)")
     publish(result, default_out("drafts") if args.out is None else args.out, format_table(result))

@@ -7,7 +7,7 @@ import sys
 import click
 
 from lookahead.cli.calibrate import calibrate
-from lookahead.cli.options import (arithmetic_options, build_config, draft_choice, placement_kwargs, read_prompt,
+from lookahead.cli.options import (arithmetic_options, build_config, datastore_options, draft_choice, placement_kwargs, read_prompt,
                                    sampling_kwargs)
 from lookahead.cli.serve import serve
 
@@ -51,9 +51,10 @@ def main() -> None:
               help='Split the model over devices/CPU/disk (accelerate): "auto" or a JSON object {module: device}.')
 @click.option("--offload-folder", type=click.Path(file_okay=False), default=None,
               help='Folder for weights a --device-map puts on "disk".')
+@datastore_options
 @arithmetic_options
 def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sample, temperature, top_k, top_p,
-             draft_path, draft_layers, tp, device_map, offload_folder, **knobs) -> None:
+             draft_path, draft_layers, tp, device_map, offload_folder, datastore, datastore_tokens, **knobs) -> None:
     """Stream a completion of PROMPT (or of stdin when PROMPT is omitted or `-`); greedy unless --sample."""
     from lookahead.cli.run import run_generate
 
@@ -62,7 +63,8 @@ def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sam
     sampling = sampling_kwargs(sample, temperature, top_k, top_p)
     draft = draft_choice(draft_path, draft_layers, mode)
     placement = placement_kwargs(tp, device_map, offload_folder)
-    run_generate(text, model_path, chat, max_new_tokens, config, stats, compare, sampling, draft, placement)
+    run_generate(text, model_path, chat, max_new_tokens, config, stats, compare, sampling, draft, placement,
+                 datastore=(datastore, datastore_tokens))
 
 
 main.add_command(serve)

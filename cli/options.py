@@ -8,6 +8,7 @@ import math
 import click
 
 from lookahead.config import LookaheadConfig
+from lookahead.datastore import DEFAULT_DATASTORE_TOKENS, build_datastore
 from lookahead.sampling import MIN_TEMPERATURE
 
 
@@ -72,6 +73,35 @@ def arithmetic_options(command):
     return click.option("--attention", type=click.Choice(["auto", "sdpa", "triton"]), default=None,
                         help="auto (default): the lookahead_tree backend when the model uses SDPA (CPU: grouped "
                              "SDPA; CUDA: the Triton tree kernel); sdpa: the model's own; triton: CUDA only.")(command)
+
+
+def datastore_options(command):
+    """Add `--datastore PATH` (repeatable) and `--datastore-tokens N` to a command."""
+    command = click.option("--datastore-tokens", type=click.IntRange(min=1), default=DEFAULT_DATASTORE_TOKENS,
+                           show_default=True, help="Tokens the datastore holds at most.")(command)
+    return click.option("--datastore", "datastore", multiple=True, type=click.Path(exists=True),
+                        help="Text file or folder (walked recursively) whose continuations draft, e.g. a code "
+                             "base; repeatable. Outputs do not change.")(command)
+
+
+def check_datastore(paths: tuple[str, ...], config: LookaheadConfig) -> None:
+    """Raise `click.UsageError` when --datastore is given but nothing would draft from it (`--mode off`, a zero
+    tree budget); call before loading the model."""
+    if paths and (config.tree_budget == 0 or config.shared_candidates == 0):
+        raise click.UsageError("--datastore drafts, but speculation is off: drop --mode off / --tree-budget 0")
+
+
+def open_datastore(paths: tuple[str, ...], tokenizer, max_tokens: int, cache=None):
+    """The `SuffixCache` of the --datastore `paths` (`cache` as it is when none is given), filled into `cache` if
+    given; reports what was read on stderr. Raises `click.ClickException` for paths without UTF-8 text."""
+    if not paths:
+        return cache
+    try:
+        cache, report = build_datastore(list(paths), tokenizer, max_tokens, cache=cache, progress=True)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"[lookahead] {report.summary()}", err=True)
+    return cache
 
 
 def build_config(mode: str, knobs: dict) -> LookaheadConfig:

@@ -8,6 +8,7 @@ import time
 import click
 import torch
 
+from lookahead.cli.options import check_datastore, open_datastore
 from lookahead.config import LookaheadConfig
 from lookahead.hf import Lookahead
 from lookahead.models import ModelLoadError, load_draft, load_model
@@ -15,12 +16,13 @@ from lookahead.models import ModelLoadError, load_draft, load_model
 
 def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: int, config: LookaheadConfig,
                  stats: bool, compare: bool, sampling: dict, draft: tuple | None = None,
-                 placement: dict | None = None) -> None:
+                 placement: dict | None = None, datastore: tuple[tuple[str, ...], int] = ((), 1)) -> None:
     """Generate (greedy, or sampled per `sampling` kwargs), streaming to stdout; `draft` is the
     `options.draft_choice`, `placement` the `options.placement_kwargs` (under tensor parallelism only rank 0
-    prints). Errors become one-line `click.ClickException`s."""
+    prints), `datastore` the --datastore paths and token bound. Errors become one-line `click.ClickException`s."""
     from transformers import TextStreamer
 
+    check_datastore(datastore[0], config)
     try:
         model, tokenizer = load_model(model_path, **(placement or {}))
         draft_model = _load_draft(model, tokenizer, draft)
@@ -28,7 +30,9 @@ def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: 
         raise click.ClickException(str(exc)) from exc
     input_ids = _encode(tokenizer, text, chat)
     _check_context(model, input_ids.shape[1], max_new_tokens)
-    decoder = Lookahead(config, draft_model=draft_model)
+    paths, max_tokens = datastore
+    shared = open_datastore(paths, tokenizer, max_tokens)
+    decoder = Lookahead(config, draft_model=draft_model, shared_drafter=shared)
     speaks = int(os.environ.get("RANK", "0")) == 0  # tensor-parallel ranks compute alike; rank 0 prints
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if speaks else None
     try:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from lookahead.cli.options import arithmetic_options, build_config
+from lookahead.cli.options import (arithmetic_options, build_config, check_datastore, datastore_options,
+                                   open_datastore)
 
 
 @click.command()
@@ -42,11 +43,16 @@ from lookahead.cli.options import arithmetic_options, build_config
 @click.option("--window-levels", type=click.IntRange(0, 8), default=None, help="Jacobi window levels (0 = off).")
 @click.option("--window-columns", type=click.IntRange(1, 64), default=None, help="Jacobi window columns.")
 @click.option("--tree-budget", type=click.IntRange(0, 1024), default=None, help="Draft tree nodes per step.")
+@datastore_options
 @arithmetic_options
 def serve(model_path, host, port, model_name, mode, cache_tokens, context_length, max_body_bytes, max_queue,
-          api_key, allow_origins, max_connections, request_timeout, threads, **knobs) -> None:
+          api_key, allow_origins, max_connections, request_timeout, threads, datastore, datastore_tokens,
+          **knobs) -> None:
     """Serve completions over an OpenAI-compatible HTTP API (POST /v1/completions, /v1/chat/completions;
     GET /v1/models, /health): greedy by default, exact sampling with temperature > 0, reproducible with seed.
+
+    --datastore files go into the cross-request suffix cache (its bound grows by --datastore-tokens); requests
+    evict its least recently used documents, files or earlier requests alike.
 
     Only this machine's clients by default: requests must name a loopback Host, browser pages of other origins
     are refused (see --allow-origin), and --api-key guards the rest."""
@@ -57,6 +63,7 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, context_length
     from lookahead.suffix_cache import SuffixCache
 
     config = build_config(mode, knobs)
+    check_datastore(datastore, config)
     try:
         check_bind(host, api_key)
         settings = ServerSettings(model_name=model_name or model_name_for(model_path), config=config,
@@ -75,7 +82,9 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, context_length
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from exc
     drafts_shared = cache_tokens > 0 and config.tree_budget > 0 and config.shared_candidates > 0
-    cache = SuffixCache(max_tokens=cache_tokens) if drafts_shared else None
+    bound = cache_tokens + (datastore_tokens if datastore else 0)
+    cache = SuffixCache(max_tokens=bound) if drafts_shared or datastore else None
+    cache = open_datastore(datastore, tokenizer, datastore_tokens, cache)
     app = create_app(model, tokenizer, settings, cache)
     click.echo(f"lookahead serve: model {settings.model_name!r} at http://{host}:{port}/v1", err=True)
     try:

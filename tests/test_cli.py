@@ -168,3 +168,38 @@ def test_triton_attention_without_cuda_is_a_one_line_error(tiny_folder, monkeypa
     result = _run("def f(x):", "--model", str(folder), "--max-new-tokens", "4", "--attention", "triton")
     assert result.exit_code != 0
     assert "needs a CUDA device" in result.output and "Traceback" not in result.output
+
+
+def test_datastore_drafts_without_changing_the_text(tiny_folder, tmp_path):
+    folder, model, tokenizer = tiny_folder
+    prompt = "def fibonacci(n):"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    plain = model.generate(ids, max_new_tokens=24, do_sample=False)
+    (tmp_path / "code.py").write_text(tokenizer.decode(plain[0]))
+    (tmp_path / "blob.bin").write_bytes(b"\x00\xff")
+    result = _run(prompt, "--model", str(folder), "--max-new-tokens", "24", "--datastore", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    assert "datastore: 1 files," in result.stderr and "(1 skipped: not UTF-8 text)" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_datastore_errors_are_one_line_and_come_before_loading(command, tmp_path):
+    (tmp_path / "a.txt").write_text("text")
+    (tmp_path / "b.bin").write_bytes(b"\x00")
+    prompt = ["hi"] if command == "generate" else []
+    cases = [(["--datastore", str(tmp_path / "none")], "does not exist"),
+             (["--datastore", str(tmp_path), "--mode", "off"], "speculation is off"),
+             (["--datastore", str(tmp_path), "--tree-budget", "0"], "speculation is off"),
+             (["--datastore", str(tmp_path), "--datastore-tokens", "0"], "datastore-tokens")]
+    for args, message in cases:
+        result = CliRunner().invoke(main, [command, *prompt, "--model", "/no/such/model", *args])
+        assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, args
+
+
+def test_datastore_without_text_is_a_one_line_error(tiny_folder, tmp_path):
+    folder, _, _ = tiny_folder
+    (tmp_path / "b.bin").write_bytes(b"\x00")
+    result = _run("hi", "--model", str(folder), "--datastore", str(tmp_path))
+    assert result.exit_code == 1 and "no UTF-8 text files in datastore paths" in result.output
+    assert "Traceback" not in result.output
