@@ -52,7 +52,8 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, context_length
     GET /v1/models, /health): greedy by default, exact sampling with temperature > 0, reproducible with seed.
 
     --datastore files go into the cross-request suffix cache (its bound grows by --datastore-tokens); requests
-    evict its least recently used documents, files or earlier requests alike.
+    evict its least recently used documents, files or earlier requests alike (with --cache-tokens 0 requests are
+    not cached: the datastore stays as read).
 
     Only this machine's clients by default: requests must name a loopback Host, browser pages of other origins
     are refused (see --allow-origin), and --api-key guards the rest."""
@@ -70,7 +71,7 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, context_length
                                   context_length=context_length, max_body_bytes=max_body_bytes, max_queue=max_queue,
                                   api_key=api_key, allowed_hosts=allowed_hosts_for(host),
                                   allow_origins=tuple(allow_origins), max_connections=max_connections,
-                                  request_timeout=request_timeout)
+                                  request_timeout=request_timeout, cache_requests=cache_tokens > 0)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     if threads is not None:

@@ -54,7 +54,8 @@ class ServerSettings:
     beyond this get 503. Access (see `server_guard`): api_key: required as `Authorization: Bearer` (None: no
     key); allowed_hosts: `Host` names served (`allowed_hosts_for(bind)`); allow_origins: browser origins allowed
     cross-origin. Connections (see `server_http`): max_connections open at once; request_timeout: seconds a
-    client has to send a complete request after connecting or after the previous response.
+    client has to send a complete request after connecting or after the previous response. cache_requests:
+    whether requests go into the cross-request cache (False: it only drafts from what it holds, e.g. a datastore).
     """
 
     model_name: str = DEFAULT_MODEL_NAME
@@ -67,6 +68,7 @@ class ServerSettings:
     allow_origins: tuple[str, ...] = ()
     max_connections: int = 64
     request_timeout: float = 10.0
+    cache_requests: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -320,7 +322,7 @@ def create_app(model, tokenizer, settings: ServerSettings | None = None, cache: 
     """
     settings = settings or ServerSettings()
     context = settings.context_length or model.config.get_text_config().max_position_embeddings
-    engine = Engine(model, tokenizer, settings.config, cache, settings.max_queue)
+    engine = Engine(model, tokenizer, settings.config, cache, settings.max_queue, settings.cache_requests)
     handlers = _Handlers(engine, settings, context)
 
     @contextlib.asynccontextmanager

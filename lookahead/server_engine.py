@@ -195,8 +195,12 @@ class Engine:
     """Owns the model, the tokenizer (behind a lock: it is shared by the event loop and the worker) and the
     single generation worker thread."""
 
-    def __init__(self, model, tokenizer, config: LookaheadConfig, cache: SuffixCache | None, max_queue: int):
+    def __init__(self, model, tokenizer, config: LookaheadConfig, cache: SuffixCache | None, max_queue: int,
+                 cache_requests: bool = True):
+        """cache: the cross-request drafter (None: none); cache_requests: whether each request's prompt + output
+        goes into it (False: it drafts from what it holds, e.g. a datastore, and learns nothing)."""
         self.model, self.tokenizer, self.config, self.cache = model, tokenizer, config, cache
+        self.cache_requests = cache_requests
         # Token recycling learns the model's own next-token predictions: kept across requests, like the cache.
         self.recycle_table = RecycleTable(config.recycle_k) if config.recycle_nodes else None
         self.max_queue = max_queue
@@ -322,7 +326,7 @@ class Engine:
             **sampling_kwargs(spec.sampling), **scored)
         sequences = output if spec.logprobs is None else output.sequences  # [1, L + n]
         new = sequences[0, prompt_len:].tolist()
-        if self.cache is not None:
+        if self.cache is not None and self.cache_requests:
             self.cache.add(sequences[0].cpu().numpy())
         text = self.decode(new)
         cut = first_stop(text, spec.stops)

@@ -438,3 +438,14 @@ def test_default_model_end_to_end(default_model):
                                                   messages=[{"role": "user", "content": content}])
     assert response.choices[0].message.content == expected
     assert "Paris" in expected
+
+
+@pytest.mark.parametrize("cache_requests", [True, False])
+def test_requests_enter_the_cache_only_when_asked(tiny, tokenizer, cache_requests):
+    cache = SuffixCache(max_tokens=4096)
+    cache.add([1, 2, 3, 4])  # e.g. a datastore file
+    settings = ServerSettings(model_name=NAME, cache_requests=cache_requests)
+    with _serving(create_app(tiny, tokenizer, settings, cache)) as url:
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[4], "max_tokens": 4}, timeout=60)
+    assert response.status_code == 200
+    assert cache.n_documents == (2 if cache_requests else 1)
