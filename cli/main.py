@@ -7,8 +7,8 @@ import sys
 import click
 
 from lookahead.cli.calibrate import calibrate
-from lookahead.cli.options import (arithmetic_options, build_config, datastore_options, draft_choice, placement_kwargs, read_prompt,
-                                   sampling_kwargs)
+from lookahead.cli.options import (arithmetic_options, build_config, datastore_options, draft_choice,
+                                   placement_kwargs, read_prompt, sampling_kwargs)
 from lookahead.cli.serve import serve
 
 

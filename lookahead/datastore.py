@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .checks import check_int
 from .suffix_cache import SuffixCache
 
 DEFAULT_DATASTORE_TOKENS = 1 << 20
@@ -82,8 +83,7 @@ def build_datastore(paths: list[str | Path], tokenizer, max_tokens: int = DEFAUL
     `max_tokens`), one document per file, until `max_tokens` tokens are cached; returns the cache and a
     `DatastoreReport`. `progress` shows a progress bar on stderr. Raises ValueError for a missing path, no files,
     no text file, or `max_tokens < 1`."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    max_tokens = check_int("max_tokens", max_tokens, 1)
     files = text_files(paths)
     cache = SuffixCache(max_tokens=max_tokens) if cache is None else cache
     report = DatastoreReport()
