@@ -1,11 +1,13 @@
 """Where a verification step's time goes: one forward of k = 1, 2, 4, 8, 16 rows, broken down by part.
 
     python benchmarks/bench_step.py [--model PATH] [--rows 1 2 4 8 16] [--prefix 300] [--repeats 7]
-        [--variants default packed packed-sdpa packed-unfused] [--threads 2] [--out FILE.json] [--plot]
+        [--variants default packed lean packed-sdpa packed-unfused] [--threads 2] [--out FILE.json] [--plot]
 
 For each arithmetic (`default`: PyTorch's own `nn.Linear` and transformers' SDPA attention, i.e. plain HF;
-`packed`: what generation uses, oneDNN-prepacked weights with q/k/v and gate/up fused and the `lookahead_tree`
-attention backend (grouped SDPA without copying key/value heads); `packed-sdpa`: prepacked and fused, with
+`packed`: oneDNN-prepacked weights with q/k/v and gate/up fused and the `lookahead_tree` attention backend (grouped
+SDPA without copying key/value heads) in transformers' decoder layers; `lean`: what generation uses, `packed` with
+the lean decoder layers (`lean_layers.py`: the same numbers without the per-module overhead); `packed-sdpa`:
+prepacked and fused, with
 transformers' SDPA; `packed-unfused`: prepacked, every projection on its own, `lookahead_tree` attention) and each
 row count k, a real verification step is built (a draft tree of k nodes: root + a chain of k-1 drafts, packed with
 `layout.pack`, the model's forward with the 4D tree mask on a `--prefix`-token cache, then the cache compaction
@@ -16,6 +18,8 @@ keeping half of the drafts). Parts:
 - cache append: `DynamicCache.update` alone (part of attention);
 - other forward: embeddings, norms, residuals, activations and Python module overhead (forward minus the above);
 - mask building (`layout.pack`) and cache compaction (`cache.keep_rows`), outside the forward.
+The `lean` variant calls its products and attention without module calls, so only its forward, mask building and
+compaction are timed (the other parts show "–").
 
 The forward total ("forward") comes from runs without hooks; the parts from runs with hooks (which add a little
 time of their own, counted in "other forward"). Variants and sizes are interleaved in every round; each figure
@@ -40,7 +44,7 @@ LINEAR_KINDS = {"q_proj": "attn q/k/v", "k_proj": "attn q/k/v", "v_proj": "attn 
                 "gate_up_proj": "mlp gate/up", "down_proj": "mlp down", "lm_head": "lm head"}
 PARTS = ("attn q/k/v", "attn o", "mlp gate/up", "mlp down", "lm head", "attention", "other forward",
          "mask building", "cache compaction")
-VARIANTS = ("default", "packed", "packed-sdpa", "packed-unfused")
+VARIANTS = ("default", "packed", "lean", "packed-sdpa", "packed-unfused")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,14 +75,15 @@ def measure(model, args) -> dict:
         print(f"round {round_} of {args.repeats} ...", file=sys.stderr)
         for variant in args.variants:
             with linear_variant(model, variant, packed_sets):
-                timer = PartTimer(model, cache)
+                timer = PartTimer(model, cache) if variant != "lean" else None  # lean layers call no modules
                 for k in args.rows:
                     plain = one_step(model, cache, args.prefix, k, vocab, None)
-                    parts = one_step(model, cache, args.prefix, k, vocab, timer)
+                    parts = one_step(model, cache, args.prefix, k, vocab, timer) if timer else dict(plain)
                     parts["forward"] = plain["forward"]
                     for name, seconds in parts.items() if round_ else ():
                         samples[variant][k].setdefault(name, []).append(seconds)
-                timer.remove()
+                if timer:
+                    timer.remove()
     return {v: {k: {name: quartile(t) for name, t in parts.items()} for k, parts in by_rows.items()}
             for v, by_rows in samples.items()}
 
@@ -93,6 +98,7 @@ def linear_variant(model, variant: str, packed_sets: dict):
     """The model's linear layers and attention as `variant` within the block."""
     from lookahead import packed_linear
     from lookahead.attention import tree_attention
+    from lookahead.lean_layers import lean_layers
 
     if variant == "default":
         yield
@@ -106,7 +112,8 @@ def linear_variant(model, variant: str, packed_sets: dict):
         model.__dict__[packed_linear._CACHE_ATTR] = cached
     attention = "sdpa" if variant == "packed-sdpa" else "auto"
     try:
-        with packed_linear.packed_linears(model), tree_attention(model, attention):
+        with (packed_linear.packed_linears(model), tree_attention(model, attention),
+              lean_layers(model, variant == "lean")):
             yield
     finally:
         packed_linear.FUSED_GROUPS = saved
@@ -207,9 +214,13 @@ def format_table(result: dict) -> str:
             lines.append(f"| {variant} | × default one-row | " + " | ".join(f"{by_rows[k]['forward'] / base:.2f}"
                                                                           for k in rows) + " |")
         for part in PARTS + ("cache append",):
-            lines.append(f"| {variant} | {part} ms | " + " | ".join(f"{by_rows[k].get(part, 0.0) * 1e3:.1f}"
-                                                                  for k in rows) + " |")
+            lines.append(f"| {variant} | {part} ms | " + " | ".join(_ms(by_rows[k].get(part)) for k in rows) + " |")
     return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    """A part's time in ms for the table; "–" for a part not measured (the lean layers have no part hooks)."""
+    return "–" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -225,6 +236,10 @@ def plot(result: dict, path: Path) -> None:
     for variant in variants:
         for k in rows:
             parts, bottom = result["variants"][variant][k], 0.0
+            if "attn q/k/v" not in parts:  # lean: the forward is not split into parts
+                bottom = parts["forward"] * 1e3
+                ax.bar(x, bottom, color="0.6", label="forward (not split)" if variant == "lean" and k == rows[0]
+                       else None)
             for i, part in enumerate(PARTS):
                 height = parts.get(part, 0.0) * 1e3
                 ax.bar(x, height, bottom=bottom, color=plt.cm.tab10(i), label=part if x == 0 else None)

@@ -23,14 +23,15 @@ CURVE_VERSION = 2  # bump when the measurement changes: older cached curves are 
 
 def curve_key(model, batch: int = 1) -> str:
     """Cache key: model config, device, dtype, torch threads, torch version, batch size, the arithmetic in effect
-    (prepacked linear layers (`packed_linear`), the attention implementation), the device map of a model split
-    by `device_map` and the measurement version."""
+    (prepacked linear layers (`packed_linear`), lean decoder layers (`lean_layers`), the attention implementation),
+    the device map of a model split by `device_map` and the measurement version."""
     packed = bool(getattr(model, "_lookahead_packed_on", False))
+    lean = bool(getattr(model, "_lookahead_lean_on", False))
     attention = getattr(model.config, "_attn_implementation", None)
     placement = getattr(model, "hf_device_map", None)  # layers offloaded to disk cost differently
     parts = [model.config.to_json_string(use_diff=False), str(model.device), str(model.dtype),
-             str(torch.get_num_threads()), torch.__version__, f"packed={packed}", f"attention={attention}",
-             f"v{CURVE_VERSION}"] + ([json.dumps(placement, sort_keys=True, default=str)] if placement else [])
+             str(torch.get_num_threads()), torch.__version__, f"packed={packed}", f"lean={lean}",
+             f"attention={attention}", f"v{CURVE_VERSION}"] + ([json.dumps(placement, sort_keys=True, default=str)] if placement else [])
     parts += [f"batch={batch}"] if batch > 1 else []
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 

@@ -33,6 +33,8 @@ class LookaheadConfig:
     `packed_linear` (CPU, fp32): run the model's linear layers on oneDNN-prepacked weights during generation
     (`packed_linear.py`), which makes a forward of several rows nearly as cheap as one row; speculative and
     plain steps (`off()`) then use the same arithmetic.
+    `lean_layers` (with `packed_linear`): Llama-style decoder layers (Llama, Qwen2, Mistral) run a forward without
+    transformers' per-module overhead that computes bit-identical numbers (`lean_layers.py`).
     `attention`: "auto" attends with the `lookahead_tree` backend (`attention.py`) during generation when the
     model uses SDPA (CPU: grouped-query SDPA without copying key/value heads; CUDA: the Triton tree kernel for
     verification steps); "sdpa" keeps the model's own attention; "triton" forces the backend (CUDA only).
@@ -58,6 +60,7 @@ class LookaheadConfig:
     tree_budget: int = 16
     adaptive: bool = True
     packed_linear: bool = True
+    lean_layers: bool = True
     attention: str = "auto"
     seed: int | None = None
 
@@ -80,7 +83,7 @@ class LookaheadConfig:
             _check_range("seed", self.seed, 0, 2**63 - 1)
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {self.attention!r}")
-        for name in ("pool_from_text", "adaptive", "packed_linear"):
+        for name in ("pool_from_text", "adaptive", "packed_linear", "lean_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

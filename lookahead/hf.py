@@ -27,6 +27,7 @@ from .cost_curve import CostCurve
 from .decoder import Decoder
 from .distributed import agreement, leader_value
 from .draft_model import check_draft_model
+from .lean_layers import lean_layers
 from .packed_linear import packed_linears
 from .recycle import RecycleTable
 from .request import DecodeRequest
@@ -123,13 +124,14 @@ class Lookahead:
 @contextlib.contextmanager
 def generation_arithmetic(model, config: LookaheadConfig) -> Iterator[str]:
     """Within the block the model computes as lookahead generation does (prepacked linear layers, the tree
-    attention backend, as `config` asks), for speculative and plain steps alike, and tensor-parallel ranks take
-    their timing-dependent decisions from rank 0 (`distributed.agreement`); yields a one-line description."""
+    attention backend, lean decoder layers, as `config` asks), for speculative and plain steps alike, and
+    tensor-parallel ranks take their timing-dependent decisions from rank 0 (`distributed.agreement`); yields a
+    one-line description."""
     with (agreement(model), packed_linears(model, config.packed_linear) as packed,
-          tree_attention(model, config.attention) as tree):
+          tree_attention(model, config.attention) as tree, lean_layers(model, config.lean_layers) as lean):
         linear = f"{packed} linear layers prepacked (oneDNN)" if packed else "PyTorch's default linear layers"
         attention = "lookahead_tree attention" if tree else f"{model.config._attn_implementation} attention"
-        yield f"{linear}, {attention}"
+        yield f"{linear}, {attention}" + (f", {lean} lean decoder layers" if lean else "")
 
 
 def _pad_token(config: GenerationConfig) -> int | None:

@@ -1,0 +1,157 @@
+"""Llama-style decoder layers without transformers' per-module overhead, computing the very same numbers.
+
+A one-row step of the default model spends about a seventh of its time around its 30 decoder layers rather than in
+them: module calls, the slicing copies of the stacked q/k/v and gate/up products, RoPE applied to queries and keys
+one after the other. `lean_layers(model)` gives every Llama-style decoder layer (Llama, Qwen2, Mistral) whose q/k/v
+and gate/up products are prepacked as one (`packed_linear.FusedGroup`) a forward that calls the same products,
+norms, RoPE, cache and attention function directly: one call per stacked product read through views instead of
+copied slices, RoPE on queries and keys as one tensor, the RMS norm by `torch.rms_norm` (on the CPU, transformers'
+own arithmetic: pow, mean, rsqrt, product). Every operation is the one transformers' layer performs, element for
+element, so the logits are bit-identical (tests check it on every supported architecture and the default model).
+
+A call the lean forward does not handle (gradients, a dtype other than fp32, a layer in training mode, attention
+weights asked for) runs the layer's own forward. Layers of other architectures, layers whose products are not
+packed, and layers that already carry a forward of their own (e.g. accelerate's offloading hooks) are left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .packed_linear import FusedMember, PackedLinear, _linear
+
+_ON_ATTR = "_lookahead_lean_on"
+
+# Decoder layer classes whose forward is the Llama formula, and how each passes a sliding window to its attention.
+_SLIDING_WINDOW: dict[str, Callable[[nn.Module], int | None] | None] = {
+    "LlamaDecoderLayer": None,
+    "Qwen2DecoderLayer": lambda attn: attn.sliding_window,
+    "MistralDecoderLayer": lambda attn: getattr(attn.config, "sliding_window", None),
+}
+
+
+@contextlib.contextmanager
+def lean_layers(model: nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Within the block, every supported decoder layer of `model` runs the lean forward; yields how many layers do
+    (0 when disabled or none is supported). Call it inside `packed_linears(model)`: only layers with packed,
+    stacked products qualify. The layers' own forwards are back on exit, also on error; not re-entrant."""
+    if not enabled or getattr(model, _ON_ATTR, False):
+        yield 0
+        return
+    layers = [layer for layer in model.modules() if _supported(layer)]
+    for layer in layers:
+        layer.forward = LeanForward(layer)
+    setattr(model, _ON_ATTR, True)
+    try:
+        yield len(layers)
+    finally:
+        for layer in layers:
+            del layer.forward
+        setattr(model, _ON_ATTR, False)
+
+
+def _supported(layer: nn.Module) -> bool:
+    """A decoder layer of a supported class, its q/k/v and gate/up stacked in packed groups, its own forward."""
+    if type(layer).__name__ not in _SLIDING_WINDOW or "forward" in layer.__dict__:
+        return False
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
+        return False
+    return (_stacked(attn.q_proj, attn.k_proj, attn.v_proj) and _stacked(mlp.gate_proj, mlp.up_proj)
+            and all(type(norm).__name__.endswith("RMSNorm")
+                    for norm in (layer.input_layernorm, layer.post_attention_layernorm)))
+
+
+def _stacked(*members: nn.Module) -> bool:
+    """Whether `members` are, in order, the whole of one packed `FusedGroup`."""
+    if not all(isinstance(m, FusedMember) for m in members):
+        return False
+    group = members[0].group
+    return (len(group.linears) == len(members)
+            and all(m.group is group and m.index == i for i, m in enumerate(members)))
+
+
+class LeanForward:
+    """The lean forward of one decoder layer (installed as the layer's `forward`; see the module docstring)."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+        attn, mlp = layer.self_attn, layer.mlp
+        self.own_forward = type(layer).forward.__get__(layer)
+        self.head_dim = attn.head_dim
+        self.query_heads = attn.q_proj.out_features // attn.head_dim
+        self.query_key_width = attn.q_proj.out_features + attn.k_proj.out_features
+        self.intermediate = mlp.gate_proj.out_features
+        window = _SLIDING_WINDOW[type(layer).__name__]
+        self.window_kwargs = {} if window is None else {"sliding_window": window(attn)}
+        self.eager = getattr(sys.modules[type(attn).__module__], "eager_attention_forward", None)
+
+    def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
+        """The layer's output for `hidden_states` `[B, T, hidden]`, as the layer's own forward computes it."""
+        if not self._handles(hidden_states, position_embeddings, kwargs):
+            return self.own_forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                    past_key_values=past_key_values, use_cache=use_cache,
+                                    position_embeddings=position_embeddings, **kwargs)
+        layer = self.layer
+        attended = self._attention(_rms_norm(hidden_states, layer.input_layernorm), attention_mask,
+                                   position_ids, past_key_values, use_cache, position_embeddings, kwargs)
+        hidden_states = hidden_states + attended
+        return hidden_states + self._mlp(_rms_norm(hidden_states, layer.post_attention_layernorm))
+
+    def _handles(self, hidden_states: torch.Tensor, position_embeddings, kwargs: dict) -> bool:
+        """Whether this call is one the lean forward computes (else the layer's own forward runs)."""
+        return (hidden_states.dtype == torch.float32 and not hidden_states.requires_grad
+                and not self.layer.training and position_embeddings is not None
+                and not kwargs.get("output_attentions"))
+
+    def _attention(self, x: torch.Tensor, attention_mask, position_ids, past_key_values, use_cache,
+                   position_embeddings, kwargs: dict) -> torch.Tensor:
+        """The self-attention block's output (after o_proj) for the normed input `x` `[B, T, hidden]`."""
+        attn = self.layer.self_attn
+        batch, rows, _ = x.shape
+        stacked = _linear(x, attn.q_proj.group.packed)  # [B, T, q + k + v]
+        query_key = stacked[..., :self.query_key_width].view(batch, rows, -1, self.head_dim).transpose(1, 2)
+        value = stacked[..., self.query_key_width:].view(batch, rows, -1, self.head_dim).transpose(1, 2)
+        query_key = _rotary(query_key, *position_embeddings)
+        query, key = query_key[:, :self.query_heads], query_key[:, self.query_heads:]
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, attn.layer_idx)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
+        out, _ = attend(attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling,
+                        position_ids=position_ids, use_cache=use_cache, **self.window_kwargs, **kwargs)
+        return _project(out.reshape(batch, rows, -1).contiguous(), attn.o_proj)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP block's output for the normed input `x`: down(act(gate(x)) * up(x))."""
+        mlp = self.layer.mlp
+        gate_up = _linear(x, mlp.gate_proj.group.packed)  # [B, T, 2 × intermediate]
+        hidden = mlp.act_fn(gate_up[..., :self.intermediate]) * gate_up[..., self.intermediate:]
+        return _project(hidden, mlp.down_proj)
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """transformers' Llama RMS norm of fp32 `x`: weight · x / sqrt(mean(x²) + eps)."""
+    return torch.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of `x` `[B, heads, T, D]` with `cos`, `sin` `[B, T, D]`: x·cos + rotate_half(x)·sin, as transformers'
+    `apply_rotary_pos_emb` computes it for queries and keys."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def _project(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """`linear(x)`, directly on its packed weight when it has one."""
+    if isinstance(linear, PackedLinear):
+        return _linear(x, linear.packed)
+    return linear(x)

@@ -1,0 +1,132 @@
+"""Tests for lookahead/lean_layers.py: bit-identical logits to transformers' own decoder layers (same prepacked
+products) on every supported architecture, for prefill, cached steps and tree-masked verification steps; the
+layers' own forward for what the lean one does not handle; installed only where it applies and undone cleanly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import build_tiny_model, repetitive_prompt
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+from lookahead import Lookahead, LookaheadConfig
+from lookahead.attention import tree_attention
+from lookahead.cache import make_compactable
+from lookahead.layout import pack
+from lookahead.lean_layers import LeanForward, lean_layers
+from lookahead.packed_linear import packed_linears
+from lookahead.tree import DraftTree
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+ARCHITECTURES = {
+    "llama": {},
+    "qwen2": {},  # q/k/v with bias
+    "mistral-sliding": {"sliding_window": 8},
+    "qwen2-mixed": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
+                    "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]},
+}
+
+
+def _model(name: str):
+    family = name.split("-")[0]
+    return build_tiny_model(family, dtype=torch.float32, seed=5, layers=3, **ARCHITECTURES[name])
+
+
+def _forwards(model, prompt: torch.Tensor) -> list[torch.Tensor]:
+    """Logits of a prefill, of a one-token cached step and of a tree-masked verification step (two branches)."""
+    cache = DynamicCache()  # no config: sliding-window layers keep every token, as lookahead needs
+    outs = [model(prompt[:, :-1], past_key_values=cache, use_cache=True).logits]
+    make_compactable(cache, model.config, 4096)
+    outs.append(model(prompt[:, -1:], past_key_values=cache, use_cache=True).logits)
+    prefix = prompt.shape[1]
+    tree = DraftTree.from_paths(5, [[7, 9, 11], [8, 3]], [0, 0], 5)
+    inputs = pack(tree, None, prefix, prefix, None, model.dtype, model.device)
+    outs.append(model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
+                      attention_mask=inputs.attention_mask, past_key_values=cache, use_cache=True).logits)
+    return outs
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_lean_layers_give_bit_identical_logits(name):
+    model = _model(name)
+    prompt = repetitive_prompt(1, length=30)
+    with torch.no_grad(), packed_linears(model), tree_attention(model):
+        own = _forwards(model, prompt)
+        with lean_layers(model) as installed:
+            assert installed == 3
+            assert all(isinstance(layer.forward, LeanForward) for layer in model.model.layers)
+            lean = _forwards(model, prompt)
+    for expected, got in zip(own, lean, strict=True):
+        assert torch.equal(expected, got)  # the same operations element for element: not merely close
+
+
+def test_lean_layers_hand_gradients_training_and_attention_weights_to_the_own_forward():
+    model = _model("llama")
+    prompt = repetitive_prompt(2)
+    own_calls = []
+    with packed_linears(model), tree_attention(model), lean_layers(model):
+        lean = model.model.layers[0].forward
+        real_own = lean.own_forward
+        lean.own_forward = lambda *args, **kwargs: own_calls.append(1) or real_own(*args, **kwargs)
+        with torch.no_grad():
+            model(prompt)
+        assert own_calls == []  # an inference forward runs lean
+        model(prompt).logits.sum().backward()  # gradients enabled and parameters trainable: the layer's own
+        assert len(own_calls) == 1 and model.model.layers[0].mlp.down_proj.weight.grad is not None
+        with torch.no_grad():
+            model.train()
+            model(prompt)
+            model.eval()
+            assert len(own_calls) == 2
+            model.set_attn_implementation("eager")
+            out = model(prompt, output_attentions=True)
+            assert len(own_calls) == 3 and out.attentions[0] is not None
+
+
+def test_lean_layers_are_installed_only_where_they_apply_and_removed_cleanly():
+    model = _model("llama")
+    with lean_layers(model) as installed:  # products not packed: nothing to do
+        assert installed == 0
+    with packed_linears(model), lean_layers(model, enabled=False) as installed:
+        assert installed == 0
+    for family in ("gemma", "phi3"):  # other layer formulas: left alone
+        other = build_tiny_model(family, dtype=torch.float32, layers=2)
+        with packed_linears(other), lean_layers(other) as installed:
+            assert installed == 0
+    hooked = _model("llama")
+    hooked.model.layers[1].forward = hooked.model.layers[1].forward  # a forward of its own (e.g. accelerate's)
+    with packed_linears(hooked), lean_layers(hooked) as installed:
+        assert installed == 2
+        with lean_layers(hooked) as nested:
+            assert nested == 0
+    assert "forward" not in hooked.model.layers[0].__dict__ and "forward" in hooked.model.layers[1].__dict__
+    with pytest.raises(RuntimeError), packed_linears(model), lean_layers(model):
+        raise RuntimeError("boom")
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)  # undone on error too
+
+
+class _LeanSpy(LogitsProcessor):
+    """Records whether the model's first decoder layer ran the lean forward at each decoding step."""
+
+    def __init__(self, model):
+        self.model, self.seen = model, set()
+
+    def __call__(self, input_ids, scores):
+        self.seen.add(isinstance(self.model.model.layers[0].forward, LeanForward))
+        return scores
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sliding"])
+@pytest.mark.parametrize("config", [LookaheadConfig(), LookaheadConfig.off()], ids=["speculate", "off"])
+def test_greedy_through_lean_layers_is_plain_greedy(name, config):
+    model = _model(name)
+    for seed in range(2):
+        prompt = repetitive_prompt(seed)
+        plain = model.generate(prompt, do_sample=False, max_new_tokens=40)
+        spy = _LeanSpy(model)
+        fast = model.generate(prompt, do_sample=False, max_new_tokens=40, custom_generate=Lookahead(config),
+                              logits_processor=LogitsProcessorList([spy]))
+        assert torch.equal(plain, fast)
+        assert spy.seen == {True}  # the generation really ran the lean layers
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
