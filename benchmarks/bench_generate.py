@@ -194,10 +194,11 @@ def format_tables(result: dict) -> str:
 
 def per_prompt_ratios(runs: list[dict], method: str, baseline: str) -> dict[str, tuple[float, float]]:
     """{prompt id: (speedup from the median times, speedup from the best times)} of `method` over `baseline`
-    (baseline seconds / method seconds over the repetitions), for every prompt both ran."""
+    (baseline seconds per new token / method seconds per new token over the repetitions: sampled runs stop at
+    different lengths), for every prompt both ran."""
     times: dict[tuple[str, str], list[float]] = {}
     for run in runs:
-        times.setdefault((run["prompt_id"], run["method"]), []).append(run["seconds"])
+        times.setdefault((run["prompt_id"], run["method"]), []).append(run["seconds"] / max(run["new_tokens"], 1))
     ratios = {}
     for (prompt_id, name), seconds in times.items():
         base = times.get((prompt_id, baseline))
@@ -207,8 +208,9 @@ def per_prompt_ratios(runs: list[dict], method: str, baseline: str) -> dict[str,
 
 
 def per_prompt_line(runs: list[dict], method: str, baseline: str) -> str | None:
-    """One line: the lowest and highest per-prompt speedup of `method` over `baseline` (median times) and how
-    many prompts ran below 1.0x, by the median and by the best time; None when no prompt has both."""
+    """One line: the lowest and highest per-prompt speedup of `method` over `baseline` (median times per new
+    token) and how many prompts ran below 1.0x, by the median and by the best time; None when no prompt has
+    both."""
     ratios = per_prompt_ratios(runs, method, baseline)
     if not ratios:
         return None

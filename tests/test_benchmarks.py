@@ -81,12 +81,15 @@ def test_summary_structure(result):
 
 
 def test_per_prompt_line_names_the_extremes_and_the_prompts_below_one():
-    runs = [{"prompt_id": pid, "method": method, "seconds": seconds}
+    runs = [{"prompt_id": pid, "method": method, "seconds": seconds, "new_tokens": 10}
             for pid, method, seconds in (("a", "hf_greedy", 2.0), ("a", "hf_greedy", 4.0), ("a", "lookahead", 1.0),
                                          ("a", "lookahead", 3.0), ("b", "hf_greedy", 1.0), ("b", "lookahead", 1.25),
                                          ("b", "lookahead", 0.9), ("c", "lookahead", 1.0))]
     ratios = bench_generate.per_prompt_ratios(runs, "lookahead", "hf_greedy")
-    assert ratios == pytest.approx({"a": (1.5, 2.0), "b": (1.0 / 1.075, 1.0 / 0.9)})  # c: no baseline run
+    assert set(ratios) == {"a", "b"}  # c: no baseline run
+    assert ratios["a"] == pytest.approx((1.5, 2.0)) and ratios["b"] == pytest.approx((1.0 / 1.075, 1.0 / 0.9))
+    shorter = [dict(run, new_tokens=5) if run["method"] == "lookahead" else run for run in runs]
+    assert bench_generate.per_prompt_ratios(shorter, "lookahead", "hf_greedy")["a"] == pytest.approx((0.75, 1.0))
     line = bench_generate.per_prompt_line(runs, "lookahead", "hf_greedy")
     assert line == ("Per prompt, lookahead vs hf_greedy: 0.93x (b) to 1.50x (a); 1 of 2 below 1.0x by median time "
                     "(b), 0 by best time.")
