@@ -102,8 +102,7 @@ class _PackedWeights:
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(packed weight, bias or None), fresh for the current parameters."""
-        stamp = tuple((id(m.weight), m.weight._version, None if m.bias is None else (id(m.bias), m.bias._version))
-                      for m in self.linears)
+        stamp = _stamp(self.linears)
         if stamp != self.stamp:
             with torch.no_grad():
                 weight = torch.cat([m.weight.detach() for m in self.linears]).contiguous()  # [N_total, K]
@@ -112,6 +111,18 @@ class _PackedWeights:
                 self.bias = torch.cat([m.bias.detach() for m in self.linears]) if has_bias else None
             self.stamp = stamp
         return self.weight, self.bias
+
+
+def _stamp(linears: list[nn.Linear]) -> list[int]:
+    """Identity and in-place version of every weight and bias of `linears` (checked on every call, so read
+    straight from each module's parameter dict: ~10x cheaper than attribute access and nested tuples)."""
+    stamp = []
+    for linear in linears:
+        params = linear._parameters
+        for param in (params["weight"], params.get("bias")):
+            if param is not None:
+                stamp += (id(param), param._version)
+    return stamp
 
 
 def _linear(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
