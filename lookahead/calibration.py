@@ -31,7 +31,8 @@ def curve_key(model, batch: int = 1) -> str:
     placement = getattr(model, "hf_device_map", None)  # layers offloaded to disk cost differently
     parts = [model.config.to_json_string(use_diff=False), str(model.device), str(model.dtype),
              str(torch.get_num_threads()), torch.__version__, f"packed={packed}", f"lean={lean}",
-             f"attention={attention}", f"v{CURVE_VERSION}"] + ([json.dumps(placement, sort_keys=True, default=str)] if placement else [])
+             f"attention={attention}", f"v{CURVE_VERSION}"]
+    parts += [json.dumps(placement, sort_keys=True, default=str)] if placement else []
     parts += [f"batch={batch}"] if batch > 1 else []
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 

@@ -127,3 +127,38 @@ def test_default_model_left_padded_batch_identical_to_plain_batched_greedy(defau
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=40, pad_token_id=pad)
     plain = model.generate(ids, **kwargs)
     assert torch.equal(model.generate(ids, custom_generate=Lookahead(), **kwargs), plain)
+
+
+def test_default_model_lean_layers_give_bit_identical_logits(default_model):
+    """The lean decoder layers on the real model: a prefill and a tree-masked verification step give exactly the
+    logits of transformers' own layers with the same prepacked products."""
+    from transformers import DynamicCache
+
+    from lookahead.attention import tree_attention
+    from lookahead.cache import make_compactable
+    from lookahead.layout import pack
+    from lookahead.lean_layers import lean_layers
+    from lookahead.packed_linear import packed_linears
+    from lookahead.tree import DraftTree
+
+    model, tokenizer = default_model
+    _, text, chat = _cases()[4]
+    prompt = _encode(tokenizer, text, chat)[:, -300:]
+    tree = DraftTree.from_paths(int(prompt[0, -1]), [[11, 12, 13], [21, 22]], [0, 0], 5)
+
+    def forwards():
+        cache = DynamicCache(config=model.config)
+        outs = [model(prompt[:, :-1], past_key_values=cache, use_cache=True).logits[:, -8:]]
+        make_compactable(cache, model.config, 4096)
+        prefix = prompt.shape[1] - 1
+        inputs = pack(tree, None, prefix, prefix, None, model.dtype, model.device)
+        outs.append(model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
+                          attention_mask=inputs.attention_mask, past_key_values=cache, use_cache=True).logits)
+        return outs
+
+    with torch.no_grad(), packed_linears(model), tree_attention(model):
+        own = forwards()
+        with lean_layers(model) as installed:
+            assert installed == model.config.num_hidden_layers
+            lean = forwards()
+    assert all(torch.equal(a, b) for a, b in zip(own, lean, strict=True))
