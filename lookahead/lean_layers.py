@@ -2,12 +2,13 @@
 
 A one-row step of the default model spends about a seventh of its time around its 30 decoder layers rather than in
 them: module calls, the slicing copies of the stacked q/k/v and gate/up products, RoPE applied to queries and keys
-one after the other. `lean_layers(model)` gives every Llama-style decoder layer (Llama, Qwen2, Mistral) whose q/k/v
-and gate/up products are prepacked as one (`packed_linear.FusedGroup`) a forward that calls the same products,
-norms, RoPE, cache and attention function directly: one call per stacked product read through views instead of
-copied slices, RoPE on queries and keys as one tensor, the RMS norm by `torch.rms_norm` (on the CPU, transformers'
-own arithmetic: pow, mean, rsqrt, product). Every operation is the one transformers' layer performs, element for
-element, so the logits are bit-identical (tests check it on every supported architecture and the default model).
+one after the other. `lean_layers(model)` gives every Llama-style decoder layer (Llama, Qwen2, Mistral) whose
+q/k/v and gate/up products are prepacked as one (`packed_linear.FusedGroup`) a forward that calls the same
+products, norms, RoPE (the architecture's own `rotate_half`), cache and attention function directly: one call per
+stacked product read through views instead of copied slices, RoPE on queries and keys as one tensor, the RMS norm
+by `torch.rms_norm` (on the CPU, transformers' own arithmetic: pow, mean, rsqrt, product). Every operation is the
+one transformers' layer performs, element for element, so the logits are bit-identical (tests check it on every
+supported architecture and the default model).
 
 A call the lean forward does not handle (gradients, a dtype other than fp32, a layer in training mode, attention
 weights asked for) runs the layer's own forward. Layers of other architectures, layers whose products are not
@@ -60,6 +61,8 @@ def _supported(layer: nn.Module) -> bool:
     """A decoder layer of a supported class, its q/k/v and gate/up stacked in packed groups, its own forward."""
     if type(layer).__name__ not in _SLIDING_WINDOW or "forward" in layer.__dict__:
         return False
+    if not hasattr(sys.modules[type(layer).__module__], "rotate_half"):
+        return False
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None:
         return False
@@ -90,7 +93,9 @@ class LeanForward:
         self.intermediate = mlp.gate_proj.out_features
         window = _SLIDING_WINDOW[type(layer).__name__]
         self.window_kwargs = {} if window is None else {"sliding_window": window(attn)}
-        self.eager = getattr(sys.modules[type(attn).__module__], "eager_attention_forward", None)
+        modeling = sys.modules[type(attn).__module__]  # the architecture's own helpers, called as its layer does
+        self.eager = getattr(modeling, "eager_attention_forward", None)
+        self.rotate_half = modeling.rotate_half
 
     def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
@@ -120,7 +125,8 @@ class LeanForward:
         stacked = _linear(x, attn.q_proj.group.packed)  # [B, T, q + k + v]
         query_key = stacked[..., :self.query_key_width].view(batch, rows, -1, self.head_dim).transpose(1, 2)
         value = stacked[..., self.query_key_width:].view(batch, rows, -1, self.head_dim).transpose(1, 2)
-        query_key = _rotary(query_key, *position_embeddings)
+        cos, sin = (part.unsqueeze(1) for part in position_embeddings)  # [B, 1, T, D]
+        query_key = query_key * cos + self.rotate_half(query_key) * sin  # apply_rotary_pos_emb, q and k at once
         query, key = query_key[:, :self.query_heads], query_key[:, self.query_heads:]
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, attn.layer_idx)
@@ -140,14 +146,6 @@ class LeanForward:
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """transformers' Llama RMS norm of fp32 `x`: weight · x / sqrt(mean(x²) + eps)."""
     return torch.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
-
-
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE of `x` `[B, heads, T, D]` with `cos`, `sin` `[B, T, D]`: x·cos + rotate_half(x)·sin, as transformers'
-    `apply_rotary_pos_emb` computes it for queries and keys."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
 def _project(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
