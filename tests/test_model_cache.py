@@ -1,0 +1,35 @@
+"""The model cache's publishing step: two processes converting the default model at once must both succeed."""
+
+import pytest
+
+from lookahead.models import _publish
+
+
+def _finished(path, marker: str):
+    path.mkdir()
+    (path / "config.json").write_text(marker)
+    return path
+
+
+def test_publish_renames_the_finished_folder(tmp_path):
+    partial = _finished(tmp_path / "model.part-a", "mine")
+    _publish(partial, tmp_path / "model")
+    assert (tmp_path / "model" / "config.json").read_text() == "mine"
+    assert not partial.exists()
+
+
+def test_publish_keeps_the_folder_another_process_published_first(tmp_path):
+    _finished(tmp_path / "model", "first")
+    partial = _finished(tmp_path / "model.part-b", "second")
+    _publish(partial, tmp_path / "model")
+    assert (tmp_path / "model" / "config.json").read_text() == "first"
+    assert not partial.exists()  # the loser's copy is cleaned up
+
+
+def test_publish_does_not_hide_a_real_failure(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "stray").write_text("not a model")  # occupied, but by no published model
+    partial = _finished(tmp_path / "model.part-c", "mine")
+    with pytest.raises(OSError):
+        _publish(partial, tmp_path / "model")
+    assert partial.exists()
