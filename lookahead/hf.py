@@ -32,6 +32,7 @@ from .packed_linear import packed_linears
 from .recycle import RecycleTable
 from .request import DecodeRequest
 from .stats import DecodeStats
+from .top_p import faster_warpers
 
 _UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
 _PATCH_ATTR = "_lookahead_patch"
@@ -89,7 +90,8 @@ class Lookahead:
                                  "drop streamer= or generate one prompt at a time")
             lookahead_streamer.put(input_ids.cpu())  # generate only feeds the prompt to its own `streamer=`
         batch = input_ids.shape[0]
-        request = DecodeRequest(input_ids=input_ids, prompt_kwargs=model_kwargs, logits_processor=logits_processor,
+        request = DecodeRequest(input_ids=input_ids, prompt_kwargs=model_kwargs,
+                                logits_processor=faster_warpers(logits_processor),
                                 stopping_criteria=stopping_criteria, max_length=generation_config.max_length,
                                 streamer=lookahead_streamer, shared_drafter=self.shared_drafter,
                                 cost_curve=self._cost_curve(model), do_sample=bool(generation_config.do_sample),
