@@ -38,13 +38,13 @@ class SortedTopP(TopPLogitsWarper):
         sorted_to_remove = cumulative_probs <= (1 - self.top_p)
         sorted_to_remove[..., -self.min_tokens_to_keep:] = 0
         removed = sorted_to_remove.sum(dim=-1).numpy()  # [B] a prefix of each sorted row (cumsum never falls)
+        cuts = removed > 0  # [B] rows that lose tokens
         rows = np.arange(values.shape[0])
         last = values[rows, np.maximum(removed - 1, 0)]  # [B] the largest removed value
         following = values[rows, np.minimum(removed, values.shape[1] - 1)]  # [B] the smallest kept value
-        if np.any((removed > 0) & (removed < values.shape[1]) & (last == following)):
+        if np.any(cuts & (removed < values.shape[1]) & (last == following)):
             return super().__call__(input_ids, scores)  # a tie at the cut: only torch.sort's order decides
-        cut = torch.from_numpy(np.where(removed > 0, last, -np.inf).astype(values.dtype)).unsqueeze(-1)  # [B, 1]
-        indices_to_remove = (scores <= cut) & torch.from_numpy(removed > 0).unsqueeze(-1)
+        indices_to_remove = (scores <= torch.from_numpy(last).unsqueeze(-1)) & torch.from_numpy(cuts).unsqueeze(-1)
         return scores.masked_fill(indices_to_remove, self.filter_value)
 
 
