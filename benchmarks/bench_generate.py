@@ -35,9 +35,10 @@ from pathlib import Path
 
 import torch
 
-from harness import (REFERENCE, ForwardCounter, close_load_average, common_parser, default_out, finish_args,
-                     group_name, headed, interleaved_runs, load_target, machine_info, machine_line,
-                     markdown_table, progress_bar, prompt_records, publish, speedup_cell, summarize, timed_run)
+from harness import (REFERENCE, ForwardCounter, close_load_average, common_parser, decode_seconds_per_token,
+                     default_out, finish_args, group_name, headed, interleaved_runs, load_target, machine_info,
+                     machine_line, markdown_table, progress_bar, prompt_records, publish, speedup_cell, summarize,
+                     timed_run)
 from prompts import Prompt, encode
 
 # Each model-free drafter alone (`--ablation`), as overrides of the `lookahead` config. The window's n-grams reach
@@ -163,7 +164,7 @@ def _timed_run(model, input_ids: torch.Tensor, method: str, kwargs: dict, max_ne
     """Generate once (greedy unless `kwargs` sample) and measure it: `harness.timed_run`'s fields, then `stats`
     (`DecodeStats.as_dict()` for lookahead methods, else None) and `sampled`."""
     kwargs = {"do_sample": False, **kwargs}
-    run = timed_run(model, input_ids, method, max_new_tokens, counter, **kwargs)
+    run = timed_run(model, input_ids, method, max_new_tokens, counter, clock_first_token=True, **kwargs)
     decoder = kwargs.get("custom_generate")
     return {**run, "stats": decoder.last_stats.as_dict() if decoder is not None else None,
             "sampled": bool(kwargs["do_sample"])}
@@ -187,18 +188,23 @@ def format_tables(result: dict) -> str:
         lines += _ablation_table(result) + [""]
     if all(m in methods for m in SAMPLED_METHODS):
         lines += _sampled_table(result) + [""]
-        line = per_prompt_line(result["runs"], "lookahead_sample", "hf_sample")
-        lines += [line, ""] if line is not None else []
+        lines += [line for decode in (False, True)
+                  if (line := per_prompt_line(result["runs"], "lookahead_sample", "hf_sample", decode)) is not None]
+        lines += [""]
     return "\n".join(lines).rstrip() + "\n"
 
 
-def per_prompt_ratios(runs: list[dict], method: str, baseline: str) -> dict[str, tuple[float, float]]:
+def per_prompt_ratios(runs: list[dict], method: str, baseline: str,
+                      decode: bool = False) -> dict[str, tuple[float, float]]:
     """{prompt id: (speedup from the median times, speedup from the best times)} of `method` over `baseline`
     (baseline seconds per new token / method seconds per new token over the repetitions: sampled runs stop at
-    different lengths), for every prompt both ran."""
+    different lengths), for every prompt both ran. With `decode`, seconds per token after the first new token
+    (`harness.decode_seconds_per_token`; runs without one are left out)."""
     times: dict[tuple[str, str], list[float]] = {}
     for run in runs:
-        times.setdefault((run["prompt_id"], run["method"]), []).append(run["seconds"] / max(run["new_tokens"], 1))
+        per_token = decode_seconds_per_token(run) if decode else run["seconds"] / max(run["new_tokens"], 1)
+        if per_token is not None:
+            times.setdefault((run["prompt_id"], run["method"]), []).append(per_token)
     ratios = {}
     for (prompt_id, name), seconds in times.items():
         base = times.get((prompt_id, baseline))
@@ -207,11 +213,11 @@ def per_prompt_ratios(runs: list[dict], method: str, baseline: str) -> dict[str,
     return ratios
 
 
-def per_prompt_line(runs: list[dict], method: str, baseline: str) -> str | None:
+def per_prompt_line(runs: list[dict], method: str, baseline: str, decode: bool = False) -> str | None:
     """One line: the lowest and highest per-prompt speedup of `method` over `baseline` (median times per new
-    token) and how many prompts ran below 1.0x, by the median and by the best time; None when no prompt has
-    both."""
-    ratios = per_prompt_ratios(runs, method, baseline)
+    token; with `decode`, per token after the first) and how many prompts ran below 1.0x, by the median and by
+    the best time; None when no prompt has both."""
+    ratios = per_prompt_ratios(runs, method, baseline, decode)
     if not ratios:
         return None
     ordered = sorted(ratios.items(), key=lambda item: item[1][0])
@@ -219,7 +225,8 @@ def per_prompt_line(runs: list[dict], method: str, baseline: str) -> str | None:
     below = [prompt_id for prompt_id, (median, _) in ordered if median < 1.0]
     below_best = sum(best < 1.0 for _, best in ratios.values())
     listed = f" ({', '.join(below)})" if below else ""
-    return (f"Per prompt, {method} vs {baseline}: {low:.2f}x ({low_id}) to {high:.2f}x ({high_id}); "
+    measure = " from the first new token on" if decode else ""
+    return (f"Per prompt, {method} vs {baseline}{measure}: {low:.2f}x ({low_id}) to {high:.2f}x ({high_id}); "
             f"{len(below)} of {len(ratios)} below 1.0x by median time{listed}, {below_best} by best time.")
 
 
@@ -260,15 +267,16 @@ def _ablation_table(result: dict) -> list[str]:
 
 
 def _sampled_table(result: dict) -> list[str]:
-    """Sampled rows: HF sampling vs seeded lookahead sampling, tokens/s and speedup (speed only)."""
+    """Sampled rows: HF sampling vs seeded lookahead sampling, tokens/s and speedup over the whole call and from
+    the first new token on (the outputs differ in length, so one prefill weighs differently), tokens/step."""
     header = ["category (sampled)", "HF sampling tok/s", "lookahead tok/s", "× HF sampling (median / min)",
-              "tokens/step", "predicted tokens/step"]
+              "× HF sampling from the first token (median / min)", "tokens/step", "predicted tokens/step"]
     rows = []
     for group, per_method in result["summary"].items():
         entry = per_method["lookahead_sample"]
         rows.append([group_name(group), _rate(per_method.get("hf_sample")), _rate(entry),
-                     speedup_cell(entry, "hf_sample"), f"{entry['tokens_per_step']:.2f}",
-                     _number(entry.get("expected_tokens_per_step"))])
+                     speedup_cell(entry, "hf_sample"), speedup_cell(entry, "hf_sample", "decode"),
+                     f"{entry['tokens_per_step']:.2f}", _number(entry.get("expected_tokens_per_step"))])
     return markdown_table(header, rows)
 
 

@@ -238,9 +238,10 @@ def group_name(group: str) -> str:
     return group if group != "all" else "**all**"
 
 
-def speedup_cell(entry: dict, baseline: str) -> str:
-    """'2.10x / 2.25x' (median / min based) against `baseline`, or a dash."""
-    key = f"speedup_vs_{baseline}"
+def speedup_cell(entry: dict, baseline: str, measure: str = "") -> str:
+    """'2.10x / 2.25x' (median / min based) against `baseline`, or a dash; `measure="decode"` gives the
+    speedups from the first new token on."""
+    key = f"speedup_{measure}_vs_{baseline}" if measure else f"speedup_vs_{baseline}"
     return f"{entry[key]:.2f}x / {entry[key + '_min']:.2f}x" if key in entry else "–"
 
 
@@ -296,14 +297,37 @@ class ForwardCounter:
         self.count += 1
 
 
+class FirstTokenClock:
+    """A streamer (transformers' `put`/`end` protocol) that notes when the first new token arrives: `put` gets the
+    prompt first, then new tokens; `first` is the `time.perf_counter()` of the first call after the prompt."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value) -> None:
+        """Count a call; the second one carries the first new token(s)."""
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        """Nothing to flush."""
+
+
 def timed_run(model, input_ids: torch.Tensor, method: str, max_new_tokens: int, counter: ForwardCounter,
-              **generate_kwargs) -> dict:
+              clock_first_token: bool = False, **generate_kwargs) -> dict:
     """Generate once from `input_ids` ([1, L]) with `generate_kwargs` and measure it.
 
     Returns `method`, `seconds`, `prompt_tokens`, `new_tokens`, `tokens_per_second`, `forwards` (target forwards
     counted by `counter`, prefill included), `tokens_per_step` (new tokens after the first, per target forward
-    after the first) and `tokens` (the new token ids).
+    after the first) and `tokens` (the new token ids). With `clock_first_token`, a `FirstTokenClock` streamer
+    rides along (as `lookahead_streamer=` for a `custom_generate` decoder, which HF does not hand `streamer=`)
+    and `first_token_seconds` is the time from the call to the first new token (the prompt's prefill and one
+    draw), else None.
     """
+    clock = FirstTokenClock() if clock_first_token else None
+    if clock is not None:
+        generate_kwargs["lookahead_streamer" if "custom_generate" in generate_kwargs else "streamer"] = clock
     counter.count = 0
     start = time.perf_counter()
     output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
@@ -311,9 +335,11 @@ def timed_run(model, input_ids: torch.Tensor, method: str, max_new_tokens: int, 
     seconds = time.perf_counter() - start
     tokens = output[0, input_ids.shape[1]:].tolist()
     steps = counter.count - 1
+    first = clock.first - start if clock is not None and clock.first is not None else None
     return {"method": method, "seconds": seconds, "prompt_tokens": int(input_ids.shape[1]),
             "new_tokens": len(tokens), "tokens_per_second": len(tokens) / seconds, "forwards": counter.count,
-            "tokens_per_step": (len(tokens) - 1) / steps if steps > 0 else 1.0, "tokens": tokens}
+            "tokens_per_step": (len(tokens) - 1) / steps if steps > 0 else 1.0, "tokens": tokens,
+            "first_token_seconds": first}
 
 
 def prompt_records(prompts: list[Prompt], encoded: list[torch.Tensor]) -> list[dict]:
@@ -406,6 +432,31 @@ def _prompt_rates(runs: list[dict]) -> dict[str, float]:
     return {pid: statistics.median(tokens[pid]) / t for pid, t in times.items()}
 
 
+def decode_seconds_per_token(run: dict) -> float | None:
+    """Seconds per new token after the first (the prompt's prefill and first draw left out), or None when the run
+    did not clock its first token or made fewer than 2."""
+    first = run.get("first_token_seconds")
+    if first is None or run["new_tokens"] < 2:
+        return None
+    return (run["seconds"] - first) / (run["new_tokens"] - 1)
+
+
+def _prompt_decode_times(runs: list[dict], reduce) -> dict[str, float]:
+    """Per prompt id, `reduce` (median or min) of the decode seconds per token of its runs that have one."""
+    by_prompt: dict[str, list[float]] = {}
+    for run in runs:
+        if (per_token := decode_seconds_per_token(run)) is not None:
+            by_prompt.setdefault(run["prompt_id"], []).append(per_token)
+    return {pid: reduce(times) for pid, times in by_prompt.items()}
+
+
+def _decode_rate(runs: list[dict], reduce) -> float | None:
+    """Decode tokens per second over the prompts: their count over the sum of per-prompt `reduce`d seconds per
+    token (each prompt weighs the same, as its runs' lengths may differ); None without clocked runs."""
+    times = _prompt_decode_times(runs, reduce)
+    return len(times) / sum(times.values()) if times else None
+
+
 def _method_summary(runs: list[dict]) -> dict:
     """Aggregate the runs of one method over a group of prompts.
 
@@ -414,6 +465,8 @@ def _method_summary(runs: list[dict]) -> dict:
     is tokens committed per target forward after the prefill, pooled over all runs; `identical_rate` is None
     when no run was checked. Lookahead methods add `rows_per_step` (rows verified per decoding step) and
     `expected_tokens_per_step` (the planner's mean prediction over the steps it predicted), pooled.
+    `decode_tokens_per_second` (`..._best`) is `_decode_rate` by the median (min) time: None for runs that did
+    not clock their first token.
     """
     new_tokens: dict[str, list[int]] = {}
     for run in runs:
@@ -434,6 +487,8 @@ def _method_summary(runs: list[dict]) -> dict:
         "rows_per_step": sum(s["rows_verified"] for s in stats) / max(1, sum(s["steps"] for s in stats))
         if stats else None,
         "expected_tokens_per_step": sum(predictions) / len(predictions) if predictions else None,
+        "decode_tokens_per_second": _decode_rate(runs, statistics.median),
+        "decode_tokens_per_second_best": _decode_rate(runs, min),
         "identical_runs": sum(checked), "checked_runs": len(checked),
         "identical_rate": sum(checked) / len(checked) if checked else None,
     }
@@ -442,9 +497,21 @@ def _method_summary(runs: list[dict]) -> dict:
 def _add_speedups(entry: dict, base: dict, baseline: str, runs: list[dict], base_runs: list[dict]) -> None:
     """Add `speedup_vs_<baseline>` (ratio of the median-based tokens/s), `..._min` (of the min-based ones) and
     `speedup_per_prompt_vs_<baseline>` (per prompt, ratio of median tokens / median time) to `entry`. With
-    identical outputs these are ratios of times; sampled outputs differ in length, so rates are compared."""
+    identical outputs these are ratios of times; sampled outputs differ in length, so rates are compared.
+
+    When both clocked their first tokens, `speedup_decode_vs_<baseline>` (`..._min`, `speedup_decode_per_prompt_
+    vs_<baseline>`) compare the same from the first new token on: sampled runs of different lengths otherwise
+    spread the one prefill over different token counts, which favours the longer output."""
     entry[f"speedup_vs_{baseline}"] = entry["tokens_per_second"] / base["tokens_per_second"]
     entry[f"speedup_vs_{baseline}_min"] = entry["tokens_per_second_best"] / base["tokens_per_second_best"]
     rates, base_rates = _prompt_rates(runs), _prompt_rates(base_runs)
     entry[f"speedup_per_prompt_vs_{baseline}"] = {pid: r / base_rates[pid] for pid, r in rates.items()
                                                   if pid in base_rates}
+    if entry["decode_tokens_per_second"] and base["decode_tokens_per_second"]:
+        entry[f"speedup_decode_vs_{baseline}"] = entry["decode_tokens_per_second"] / base["decode_tokens_per_second"]
+        entry[f"speedup_decode_vs_{baseline}_min"] = (entry["decode_tokens_per_second_best"]
+                                                      / base["decode_tokens_per_second_best"])
+        times = _prompt_decode_times(runs, statistics.median)
+        base_times = _prompt_decode_times(base_runs, statistics.median)
+        entry[f"speedup_decode_per_prompt_vs_{baseline}"] = {pid: base_times[pid] / t for pid, t in times.items()
+                                                             if pid in base_times}

@@ -15,6 +15,8 @@ _MASK64 = (1 << 64) - 1
 # Smallest sampling temperature the CLI and the server accept: far below it, scores / temperature overflow
 # float32 to +-inf and the softmax has no distribution (`probs_from_scores` raises); 1e-5 is ~argmax already.
 MIN_TEMPERATURE = 1e-5
+# `sample_seeded` scores only the tokens with mass when they are at most 1 / this of the vocabulary.
+_SPARSE_FRACTION = 4
 
 
 def probs_from_scores(scores: torch.Tensor) -> torch.Tensor:
@@ -90,8 +92,17 @@ def gumbel_scores(probs: torch.Tensor, seed: int, index: int) -> torch.Tensor:
 
 
 def sample_seeded(probs: torch.Tensor, seed: int, index: int) -> int:
-    """Reproducible draw from `probs` [V] for the token at sequence index `index` (prompt included).
+    """Reproducible draw from `probs` [V] for the token at sequence index `index` (prompt included): the argmax
+    of `gumbel_scores(probs, seed, index)`.
 
-    The seeded walk (`verify.verify_seeded`) emits exactly this draw at every index it visits.
+    The seeded walk (`verify.verify_seeded`) emits exactly this draw at every index it visits. On the CPU, when
+    top-k/top-p left few tokens with mass, only those are scored: the others score -inf and never win, and the
+    support's indices ascend, so the first maximum is the same token (~0.15 ms instead of ~1 ms at V = 49k).
     """
+    if probs.device.type == "cpu" and probs.dim() == 1 and seed >= 0 and index >= 0:
+        support = probs.nonzero().view(-1)  # [S] ascending
+        if 0 < support.numel() <= probs.shape[0] // _SPARSE_FRACTION:
+            noise = _cpu_gumbel_noise(seed, index, probs.shape[0]).index_select(0, support)
+            scores = probs.index_select(0, support).to(torch.float64).log() + noise
+            return int(support[scores.argmax()])
     return int(gumbel_scores(probs, seed, index).argmax())

@@ -57,6 +57,37 @@ def test_speedups_against_greedy_mode_off_and_sampling(result):
     assert result["settings"]["ablation"]["lookahead_recycle"]["prompt_candidates"] == 0
 
 
+def test_every_method_clocks_its_first_token(result):
+    for run in result["runs"]:  # HF's own loops (streamer=) and lookahead's (lookahead_streamer=)
+        assert 0 < run["first_token_seconds"] < run["seconds"], run["method"]
+    for per_method in result["summary"].values():
+        sampled = per_method["lookahead_sample"]
+        assert sampled["speedup_decode_vs_hf_sample"] == pytest.approx(
+            sampled["decode_tokens_per_second"] / per_method["hf_sample"]["decode_tokens_per_second"])
+        assert set(sampled["speedup_decode_per_prompt_vs_hf_sample"]) <= {p.id for p in PROMPTS}
+
+
+def test_decode_speedups_leave_out_the_prefill():
+    # Same decode speed (0.1 s per token after the first), a 3 s prefill, outputs of 20 and 60 tokens: over the
+    # whole call the shorter output looks 2.1x slower; from the first token on they are equal.
+    def run(method, new_tokens, repeat):
+        return {"prompt_id": "p", "category": "chat", "method": method, "new_tokens": new_tokens, "repeat": repeat,
+                "seconds": 3.0 + 0.1 * (new_tokens - 1), "first_token_seconds": 3.0, "forwards": new_tokens,
+                "identical": None, "sampled": True, "tokens": [0] * new_tokens}
+    runs = [run("hf_sample", 60, r) for r in (0, 1)] + [run("lookahead_sample", 20, r) for r in (0, 1)]
+    entry = harness.summarize(runs, ["hf_sample", "lookahead_sample"], (), ("hf_sample",))["all"]["lookahead_sample"]
+    assert entry["speedup_vs_hf_sample"] == pytest.approx((20 / 4.9) / (60 / 8.9))
+    assert entry["speedup_decode_vs_hf_sample"] == pytest.approx(1.0)
+    assert entry["speedup_decode_per_prompt_vs_hf_sample"] == {"p": pytest.approx(1.0)}
+    assert bench_generate.per_prompt_ratios(runs, "lookahead_sample", "hf_sample", decode=True) == {
+        "p": (pytest.approx(1.0), pytest.approx(1.0))}
+    assert bench_generate.per_prompt_ratios(runs, "lookahead_sample", "hf_sample")["p"][0] < 0.7
+    unclocked = [dict(r, first_token_seconds=None) for r in runs]
+    entry = harness.summarize(unclocked, ["hf_sample", "lookahead_sample"], (), ("hf_sample",))["all"]
+    assert entry["lookahead_sample"]["decode_tokens_per_second"] is None
+    assert "speedup_decode_vs_hf_sample" not in entry["lookahead_sample"]
+
+
 def test_ablation_variants_use_only_their_drafter(result):
     for run in result["runs"]:
         accepted = set(run["stats"]["accepted_by_drafter"]) if run["stats"] else set()
@@ -71,6 +102,7 @@ def test_tables_cover_the_ablation_and_the_sampled_rows(result):
     assert "× mode off (median / min)" in table
     assert "prompt: tok/step · × greedy" in table and "recycle: tok/step · × greedy" in table
     assert "all: tok/step · × greedy" in table and "category (sampled)" in table
+    assert "Per prompt, lookahead_sample vs hf_sample from the first new token on: " in table
     firsts = [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ")]
     assert firsts.count("| **all**") == 3  # main, ablation and sampled tables
 

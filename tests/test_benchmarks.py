@@ -44,6 +44,7 @@ def test_runs_are_interleaved_and_complete(result):
     for run in runs:
         assert run["new_tokens"] == 8 and len(run["tokens"]) == 8
         assert run["seconds"] > 0 and run["tokens_per_second"] > 0
+        assert 0 < run["first_token_seconds"] < run["seconds"]  # prompt lookup's loop clocks it too
     first_slots = [run["method"] for run in runs if run["slot"] == 0]
     assert len(set(first_slots)) > 1  # the order rotates from prompt to prompt
 

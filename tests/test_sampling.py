@@ -12,6 +12,7 @@ equality with the non-speculative seeded loop.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 
 import numpy as np
@@ -317,6 +318,32 @@ def test_sample_seeded_is_the_gumbel_argmax_and_never_draws_zero_probability():
     assert draws == [int(gumbel_scores(probs, seed, 11).argmax()) for seed in range(300)]
     assert draws == [sample_seeded(probs, seed, 11) for seed in range(300)]  # same seed, same draw
     assert stats.binomtest(draws.count(1), 300, 0.7).pvalue > ALPHA
+
+
+def sparse_probs(vocab: int, kept: int, seed: int) -> torch.Tensor:
+    """Probabilities [vocab] with mass on `kept` random tokens (as after top-p), the rest exactly 0."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.full((vocab,), -math.inf)
+    support = torch.randperm(vocab, generator=generator)[:kept]
+    scores[support] = torch.randn(kept, generator=generator) * 3
+    return probs_from_scores(scores)
+
+
+@pytest.mark.parametrize("kept", [1, 7, 250])  # 250 of 1000 = the sparse path's largest support
+def test_sample_seeded_on_a_sparse_support_is_the_full_gumbel_argmax(kept):
+    for seed in range(200):
+        probs = sparse_probs(1000, kept, seed)
+        assert sample_seeded(probs, seed, 40 + seed) == int(gumbel_scores(probs, seed, 40 + seed).argmax()), seed
+
+
+def test_sample_seeded_on_a_sparse_support_breaks_ties_like_argmax(monkeypatch):
+    # Without noise the scores are log p: equal masses tie, and argmax over the vocabulary takes the first.
+    monkeypatch.setattr(sampling, "_cpu_gumbel_noise",
+                        lambda seed, index, vocab: torch.zeros(vocab, dtype=torch.float64))
+    probs = torch.zeros(100)
+    probs[[90, 12, 55]] = torch.tensor([0.4, 0.4, 0.2])
+    assert int(gumbel_scores(probs, 1, 2).argmax()) == 12
+    assert sample_seeded(probs, 1, 2) == 12
 
 
 @pytest.mark.parametrize("case", ["siblings", "deep_chain", "zero_prob_drafts", "wide_covering_vocab"])
