@@ -2,13 +2,14 @@
 
     python benchmarks/bench_batch.py [--model PATH] [--categories code rag ...] [--prompts-per-category 2]
         [--batch-sizes 1 2 4 8] [--max-new-tokens 64] [--repeats 1] [--threads 2] [--config KEY=VALUE ...]
-        [--out benchmarks/results/NAME.json]
+        [--sample] [--out benchmarks/results/NAME.json]
 
 Every batch size decodes the same prompts (the first `max(batch sizes)` of the selection, left-padded in groups
 of the batch size), so throughputs compare directly. Within a repetition each group runs both methods back to
 back in an order rotated from group to group. Throughput counts generated tokens up to each sequence's EOS (the
 pad fill after it is not counted). Every lookahead output is compared with plain batched greedy, sequence by
-sequence.
+sequence. `--sample` runs HF's batched sampling against seeded lookahead sampling instead (the speed suite's
+settings: T=0.7, top_p=0.95); sampled outputs legitimately differ, so they are not compared.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from harness import (common_parser, default_out, finish_args, headed, load_targe
 from prompts import encode
 
 METHODS = ("hf_greedy", "lookahead")
+SAMPLED_METHODS = ("hf_sample", "lookahead_sample")
+SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.95)  # as in bench_generate.py
+SAMPLE_SEED = 1234
 
 
 def left_pad(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,18 +50,20 @@ def generated_tokens(output: torch.Tensor, prompt_length: int, eos: set[int]) ->
 
 
 def run_batches(model, tokenizer, prompts, batch_sizes: list[int], repeats: int, max_new_tokens: int,
-                config, progress: bool = True) -> dict:
-    """Run both methods on every group of every batch size, `repeats` times; returns runs and a summary."""
+                config, progress: bool = True, sample: bool = False) -> dict:
+    """Run both methods (greedy, or sampled with `sample`) on every group of every batch size, `repeats` times;
+    returns runs and a summary."""
     from lookahead import Lookahead
 
+    methods = SAMPLED_METHODS if sample else METHODS
     encoded = [encode(tokenizer, p)[0] for p in prompts[: max(batch_sizes)]]
     eos = set(_as_list(model.generation_config.eos_token_id))
     pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, *sorted(eos)) if t is not None), 0)
     groups = [(size, encoded[i: i + size]) for size in batch_sizes for i in range(0, len(encoded), size)]
-    decoder, runs = Lookahead(config), []
-    bar = progress_bar((repeats * len(groups) + len(batch_sizes)) * len(METHODS), progress)
+    decoder, runs = Lookahead(config.with_overrides(seed=SAMPLE_SEED) if sample else config), []
+    bar = progress_bar((repeats * len(groups) + len(batch_sizes)) * len(methods), progress)
     for size in batch_sizes:  # warm-up per batch size (this also measures lookahead's cost curve for it)
-        for method in METHODS:
+        for method in methods:
             bar.set_postfix_str(f"warm-up batch {size} {method}")
             _generate(model, *left_pad(encoded[:size], pad), method, decoder, 8, pad)
             bar.update()
@@ -65,7 +71,7 @@ def run_batches(model, tokenizer, prompts, batch_sizes: list[int], repeats: int,
         for index, (size, prompts_of_group) in enumerate(groups):
             ids, mask = left_pad(prompts_of_group, pad)
             outputs = {}
-            for method in rotated(list(METHODS), repeat + index):
+            for method in rotated(list(methods), repeat + index):
                 bar.set_postfix_str(f"batch {size} {method}")
                 start = time.perf_counter()
                 outputs[method] = _generate(model, ids, mask, method, decoder, max_new_tokens, pad)
@@ -73,21 +79,23 @@ def run_batches(model, tokenizer, prompts, batch_sizes: list[int], repeats: int,
                              "seconds": time.perf_counter() - start,
                              "tokens": generated_tokens(outputs[method], ids.shape[1], eos),
                              "tokens_per_step": decoder.last_stats.mean_tokens_per_step
-                             if method == "lookahead" else 1.0})
+                             if method.startswith("lookahead") else 1.0})
                 bar.update()
-            runs[-1]["identical"] = runs[-2]["identical"] = bool(torch.equal(*outputs.values()))
+            runs[-1]["identical"] = runs[-2]["identical"] = None if sample else bool(torch.equal(*outputs.values()))
     bar.close()
     return {"settings": {"batch_sizes": batch_sizes, "repeats": repeats, "max_new_tokens": max_new_tokens,
                          "prompts": [p.id for p in prompts[: max(batch_sizes)]],
-                         "lookahead_config": config.as_dict()},
-            "runs": runs, "summary": summarize(runs, batch_sizes)}
+                         "lookahead_config": config.as_dict(), "methods": list(methods),
+                         "sampling": {**SAMPLING, "lookahead_seed": SAMPLE_SEED} if sample else None},
+            "runs": runs, "summary": summarize(runs, batch_sizes, methods)}
 
 
 def _generate(model, ids, mask, method: str, decoder, max_new_tokens: int, pad: int) -> torch.Tensor:
-    """One batched greedy generate with `method`."""
-    extra = {"custom_generate": decoder} if method == "lookahead" else {}
-    return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                          pad_token_id=pad, **extra)
+    """One batched generate with `method` (greedy, or sampled for the `*_sample` methods)."""
+    extra = {"custom_generate": decoder} if method.startswith("lookahead") else {}
+    sampling = SAMPLING if method.endswith("_sample") else {"do_sample": False}
+    return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling,
+                          **extra)
 
 
 def _as_list(value) -> list[int]:
@@ -95,33 +103,37 @@ def _as_list(value) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
-def summarize(runs: list[dict], batch_sizes: list[int]) -> dict:
-    """Per batch size and method: tokens/s (total tokens / total seconds), tokens per step (lookahead), and
-    the identical-output rate; plus lookahead's speedup over plain batched greedy."""
+def summarize(runs: list[dict], batch_sizes: list[int], methods: tuple[str, str] = METHODS) -> dict:
+    """Per batch size and method (`methods`: HF's, then lookahead's): tokens/s (total tokens / total seconds),
+    tokens per step (lookahead), and the identical-output count; plus lookahead's `speedup` over HF's."""
     out = {}
     for size in batch_sizes:
         entry = {}
-        for method in METHODS:
+        for method in methods:
             mine = [r for r in runs if r["batch_size"] == size and r["method"] == method]
             seconds = sum(r["seconds"] for r in mine)
             entry[method] = {"tokens_per_second": sum(r["tokens"] for r in mine) / seconds if seconds else 0.0,
                              "tokens_per_step": sum(r["tokens_per_step"] for r in mine) / max(len(mine), 1),
                              "identical": sum(bool(r.get("identical")) for r in mine), "runs": len(mine)}
-        base = entry["hf_greedy"]["tokens_per_second"]
-        entry["speedup"] = entry["lookahead"]["tokens_per_second"] / base if base else 0.0
+        base = entry[methods[0]]["tokens_per_second"]
+        entry["speedup"] = entry[methods[1]]["tokens_per_second"] / base if base else 0.0
         out[str(size)] = entry
     return out
 
 
 def format_table(result: dict) -> str:
-    """Markdown table: one row per batch size."""
+    """Markdown table: one row per batch size (sampled runs: no identity column)."""
+    hf, ours_name = result["settings"].get("methods", METHODS)
+    sampled = hf == "hf_sample"
+    label = "HF sampling" if sampled else "HF greedy"
     lines = [f"Command: `{result['command']}`", "",
-             "| batch | HF greedy tok/s | lookahead tok/s | speedup | tokens/step per sequence | identical |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             f"| batch | {label} tok/s | lookahead tok/s | speedup | tokens/step per sequence |"
+             + ("" if sampled else " identical |"), "|---:|---:|---:|---:|---:|" + ("" if sampled else "---:|")]
     for size, entry in result["summary"].items():
-        ours = entry["lookahead"]
-        lines.append(f"| {size} | {entry['hf_greedy']['tokens_per_second']:.1f} | {ours['tokens_per_second']:.1f} | "
-                     f"{entry['speedup']:.2f}x | {ours['tokens_per_step']:.2f} | {ours['identical']}/{ours['runs']} |")
+        ours = entry[ours_name]
+        lines.append(f"| {size} | {entry[hf]['tokens_per_second']:.1f} | {ours['tokens_per_second']:.1f} | "
+                     f"{entry['speedup']:.2f}x | {ours['tokens_per_step']:.2f} |"
+                     + ("" if sampled else f" {ours['identical']}/{ours['runs']} |"))
     return "\n".join(lines)
 
 
@@ -131,6 +143,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                         help="LookaheadConfig override (repeatable)")
+    parser.add_argument("--sample", action="store_true",
+                        help="HF sampling vs seeded lookahead sampling (T=0.7, top_p=0.95) instead of greedy")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/<time>.json)")
     parser.set_defaults(max_new_tokens=64)
     args = finish_args(parser, parser.parse_args(argv), ("prompts_per_category", "max_new_tokens", "repeats",
@@ -148,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model, tokenizer = load_target(args)
     result = run_batches(model, tokenizer, args.prompts, args.batch_sizes, args.repeats, args.max_new_tokens,
-                         args.lookahead_config)
+                         args.lookahead_config, sample=args.sample)
     result = headed(result, machine_info(args.threads),
                     model=args.model or "SmolLM2-135M-Instruct (embedded default)")
     publish(result, args.out or default_out("batch"), format_table(result))

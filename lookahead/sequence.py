@@ -14,6 +14,7 @@ from .drafters import DRAFT_MODEL, POOL, SOURCE_DRAFTER, Drafters
 from .jacobi import JacobiWindow
 from .layout import SequenceDrafts
 from .request import DecodeRequest
+from .row_processors import scores_rows_alone
 from .rules import SeededRule, make_rule
 from .scores import ScoreRecord
 from .stats import AcceptedDrafts
@@ -52,6 +53,7 @@ class Sequence:
                                    config.window_size if self.window is not None else 0)
         self._candidates: DraftTree | None = None
         self._noise: SeededDraftNoise | None = None  # seeded sampling with recycling: set once the vocabulary is known
+        self._row_alone = scores_rows_alone(request.logits_processor)  # processors may run on this row alone
 
     def _model_drafter(self) -> ModelDrafter | None:
         """The draft model's drafter (None without a draft model); it skips the prompt's left padding."""
@@ -169,10 +171,14 @@ class Sequence:
         return self.process(np.concatenate([self.ids[: self.length], np.asarray(path, dtype=np.int64)]), logits)
 
     def process(self, text: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
-        """The generation config's processors applied to `logits` [V] after the token ids `text` [n]."""
+        """The generation config's processors applied to `logits` [V] after the token ids `text` [n]: on this
+        row alone when they allow it (`row_processors`), else on a batch of copies at this sequence's index."""
         ids = self._batch_view(text)
+        if self._row_alone:
+            ids = ids[self.index: self.index + 1]
         scores = logits.float().view(1, -1).expand(ids.shape[0], -1).clone()
-        return self.request.logits_processor(ids.to(logits.device), scores)[self.index]
+        result = self.request.logits_processor(ids.to(logits.device), scores)
+        return result[0] if self._row_alone else result[self.index]
 
     def _batch_view(self, ids: np.ndarray) -> torch.Tensor:
         """[B, n] ids for HF processors and criteria, which may keep per-sequence state (e.g. the repetition

@@ -199,6 +199,20 @@ def test_batch_benchmark_runs_and_checks_identity(tiny_model):
     assert table.count("\n| ") == 4
 
 
+def test_batch_benchmark_samples_with_sample(tiny_model):
+    import bench_batch
+
+    model = tiny_model("llama", dtype=torch.float64, seed=0)
+    prompts = PROMPTS * 2
+    out = bench_batch.run_batches(model, word_tokenizer(), prompts, [1, 4], 1, 6, LookaheadConfig(), progress=False,
+                                  sample=True)
+    assert {r["method"] for r in out["runs"]} == {"hf_sample", "lookahead_sample"}
+    assert all(r["identical"] is None for r in out["runs"]) and out["settings"]["sampling"]["do_sample"]
+    assert out["summary"]["4"]["speedup"] > 0
+    table = bench_batch.format_table({"command": "python x", **out})
+    assert "HF sampling tok/s" in table and "identical" not in table and table.count("\n| ") == 3
+
+
 def test_batch_benchmark_counts_tokens_up_to_eos():
     import bench_batch
 
