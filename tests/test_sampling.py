@@ -336,6 +336,12 @@ def test_sample_seeded_on_a_sparse_support_is_the_full_gumbel_argmax(kept):
         assert sample_seeded(probs, seed, 40 + seed) == int(gumbel_scores(probs, seed, 40 + seed).argmax()), seed
 
 
+@pytest.mark.parametrize("seed, index", [(-1, 0), (2**64, 0), (0, -1)])
+def test_sample_seeded_on_a_sparse_support_rejects_bad_seeds_and_indices(seed, index):
+    with pytest.raises(ValueError):
+        sample_seeded(sparse_probs(1000, 5, 0), seed, index)
+
+
 def test_sample_seeded_on_a_sparse_support_breaks_ties_like_argmax(monkeypatch):
     # Without noise the scores are log p: equal masses tie, and argmax over the vocabulary takes the first.
     monkeypatch.setattr(sampling, "_cpu_gumbel_noise",
