@@ -71,10 +71,19 @@ class DecodeStats:
         """New tokens per second of the whole call (prefill included)."""
         return self.new_tokens / self.total_time if self.total_time > 0 else 0.0
 
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens the decoding steps committed per second after the prefill (0.0 without steps): the speed once
+        the first token is out, which a long prompt's prefill does not dilute."""
+        decoding = self.total_time - self.prefill_time
+        return self.step_tokens / decoding if self.steps and decoding > 0 else 0.0
+
     def summary(self) -> str:
-        """One line for humans: tokens, tokens/s, tokens per step, time split, accepted per drafter."""
+        """One line for humans: tokens, tokens/s (whole call and after the prefill), tokens per step, time split,
+        accepted per drafter."""
         drafters = ", ".join(f"{k}={v}" for k, v in sorted(self.accepted_by_drafter.items())) or "none"
-        return (f"{self.new_tokens} tokens in {self.total_time:.2f} s ({self.tokens_per_second:.1f} tok/s), "
+        return (f"{self.new_tokens} tokens in {self.total_time:.2f} s ({self.tokens_per_second:.1f} tok/s; "
+                f"{self.decode_tokens_per_second:.1f} tok/s after the prefill), "
                 f"{self.steps} steps, {self.mean_tokens_per_step:.2f} tokens/step; time: prefill "
                 f"{self.prefill_time:.2f} s, drafting {self.draft_time:.2f} s, forward {self.forward_time:.2f} s, "
                 f"verify {self.verify_time:.2f} s; accepted drafts: {drafters}")
@@ -87,6 +96,7 @@ class DecodeStats:
             "prefill_time": self.prefill_time, "draft_time": self.draft_time, "forward_time": self.forward_time,
             "verify_time": self.verify_time, "total_time": self.total_time,
             "mean_tokens_per_step": self.mean_tokens_per_step, "tokens_per_second": self.tokens_per_second,
+            "decode_tokens_per_second": self.decode_tokens_per_second,
             "tokens_per_step": dict(sorted(self.tokens_per_step.items())),
             "accepted_by_drafter": dict(self.accepted_by_drafter),
             "mean_expected_tokens": self.mean_expected_tokens, "calibration": [list(p) for p in self.calibration],

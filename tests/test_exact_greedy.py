@@ -9,6 +9,7 @@ import torch
 from tiny_models import build_tiny_model as tiny_model, repetitive_prompt
 
 from lookahead import Lookahead, LookaheadConfig
+from lookahead.stats import DecodeStats
 
 CONFIGS = {
     # Single drafters verify every step (adaptive=False): the adaptive planner may rest a drafter, and the
@@ -128,6 +129,14 @@ def test_stats_account_for_every_token(model):
     assert stats.steps == sum(stats.tokens_per_step.values())
     assert sum(stats.accepted_by_drafter.values()) == stats.step_tokens - stats.steps
     assert stats.forward_time > 0 and stats.total_time >= stats.forward_time
+
+
+def test_stats_give_the_speed_after_the_prefill():
+    stats = DecodeStats(steps=4, new_tokens=9, step_tokens=8, prefill_time=2.0, total_time=4.0)
+    assert stats.tokens_per_second == pytest.approx(2.25) and stats.decode_tokens_per_second == pytest.approx(4.0)
+    assert "(2.2 tok/s; 4.0 tok/s after the prefill)" in stats.summary()
+    assert stats.as_dict()["decode_tokens_per_second"] == pytest.approx(4.0)
+    assert DecodeStats(new_tokens=1, prefill_time=1.0, total_time=1.0).decode_tokens_per_second == 0.0
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma", "phi3", "gpt2"])
