@@ -19,14 +19,13 @@ from pathlib import Path
 
 import torch
 
+from bench_generate import SAMPLE_SEED, SAMPLING  # the speed suite's sampling settings
 from harness import (common_parser, default_out, finish_args, headed, load_target, machine_info, progress_bar, publish,
                      rotated)
 from prompts import encode
 
 METHODS = ("hf_greedy", "lookahead")
 SAMPLED_METHODS = ("hf_sample", "lookahead_sample")
-SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.95)  # as in bench_generate.py
-SAMPLE_SEED = 1234
 
 
 def left_pad(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
