@@ -43,9 +43,17 @@ class AcceptanceRates:
         self.accepted = np.zeros((n_sources, depths))  # [n_sources, depths], decayed counts
         self.tested = np.zeros((n_sources, depths))  # [n_sources, depths]
         self.prior, self.prior_weight, self.decay = prior, 2.0, decay
+        self._rates: np.ndarray | None = None  # `rates()` until the next update
 
     def rates(self) -> np.ndarray:
-        """[n_sources, depths] current estimates in (0, 1); column d - 1 is depth d."""
+        """[n_sources, depths] current estimates in (0, 1); column d - 1 is depth d (computed once per update;
+        callers must not modify it)."""
+        if self._rates is None:
+            self._rates = self._estimate()
+        return self._rates
+
+    def _estimate(self) -> np.ndarray:
+        """The estimates from the decayed counts and the priors (see the class docstring)."""
         out = np.empty_like(self.accepted)
         above = np.full(out.shape[0], self.prior)  # [n_sources] the prior of the current depth
         weight = self.prior_weight
@@ -60,6 +68,7 @@ class AcceptanceRates:
         self.accepted = self.accepted * self.decay + accepted
         self.tested = self.tested * self.decay + tested
         self.prior_weight *= self.decay
+        self._rates = None
 
 
 def path_values(tree, rates: np.ndarray) -> np.ndarray:
@@ -151,7 +160,8 @@ class StepPlanner:
         ranked = self.rank(tree)
         if self.curve is None:
             return ranked, self.window_rows > 0
-        k, use_window = best_row_count(self.node_scores(tree), self.window_rows, self.window_value, self.curve)
+        scores = -np.sort(-ranked.scores[1:], kind="stable")  # node_scores(tree), from the values just computed
+        k, use_window = best_row_count(scores, self.window_rows, self.window_value, self.curve)
         return ranked.prune(k), use_window
 
     def chain_length(self, source: int, seconds_per_token: float | None, max_len: int) -> int:

@@ -10,6 +10,7 @@ only of them, a single row gives that row's result.
 
 from __future__ import annotations
 
+import torch
 from transformers import (EpsilonLogitsWarper, EtaLogitsWarper, LogitsProcessorList, MinPLogitsWarper,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper)
 
@@ -24,3 +25,11 @@ def scores_rows_alone(processors: LogitsProcessorList) -> bool:
     """Whether every processor of `processors` is one of `ROW_WARPERS` (by exact type), so the list can run
     on one row of a batch (True for an empty list)."""
     return all(type(processor) in ROW_WARPERS for processor in processors)
+
+
+def run_row_warpers(processors: LogitsProcessorList, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """`processors(input_ids, scores)` for a list `scores_rows_alone` accepts: each warper called in turn, as the
+    list itself calls a processor that takes no extra arguments, without its per-call signature inspection."""
+    for processor in processors:
+        scores = processor(input_ids, scores)
+    return scores

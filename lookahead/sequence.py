@@ -14,7 +14,7 @@ from .drafters import DRAFT_MODEL, POOL, SOURCE_DRAFTER, Drafters
 from .jacobi import JacobiWindow
 from .layout import SequenceDrafts
 from .request import DecodeRequest
-from .row_processors import scores_rows_alone
+from .row_processors import run_row_warpers, scores_rows_alone
 from .rules import SeededRule, make_rule
 from .scores import ScoreRecord
 from .stats import AcceptedDrafts
@@ -175,10 +175,10 @@ class Sequence:
         row alone when they allow it (`row_processors`), else on a batch of copies at this sequence's index."""
         ids = self._batch_view(text)
         if self._row_alone:
-            ids = ids[self.index: self.index + 1]
+            ids = ids[self.index: self.index + 1].to(logits.device)
+            return run_row_warpers(self.request.logits_processor, ids, logits.float().view(1, -1).clone())[0]
         scores = logits.float().view(1, -1).expand(ids.shape[0], -1).clone()
-        result = self.request.logits_processor(ids.to(logits.device), scores)
-        return result[0] if self._row_alone else result[self.index]
+        return self.request.logits_processor(ids.to(logits.device), scores)[self.index]
 
     def _batch_view(self, ids: np.ndarray) -> torch.Tensor:
         """[B, n] ids for HF processors and criteria, which may keep per-sequence state (e.g. the repetition

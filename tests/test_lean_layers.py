@@ -106,6 +106,21 @@ def test_lean_layers_are_installed_only_where_they_apply_and_removed_cleanly():
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)  # undone on error too
 
 
+def test_lean_layers_need_the_standard_rotate_half(monkeypatch):
+    """The lean RoPE folds `rotate_half`'s sign into the sin: an architecture whose `rotate_half` is another
+    formula keeps its own forward."""
+    import transformers.models.llama.modeling_llama as llama
+
+    model = _model("llama")
+    standard = llama.rotate_half
+    monkeypatch.setattr(llama, "rotate_half", lambda x: torch.cat((x[..., 1::2], -x[..., ::2]), dim=-1))
+    with packed_linears(model), lean_layers(model) as installed:
+        assert installed == 0
+    monkeypatch.setattr(llama, "rotate_half", standard)
+    with packed_linears(model), lean_layers(model) as installed:
+        assert installed == 3
+
+
 class _LeanSpy(LogitsProcessor):
     """Records whether the model's first decoder layer ran the lean forward at each decoding step."""
 

@@ -13,7 +13,7 @@ from transformers import (EpsilonLogitsWarper, EtaLogitsWarper, LogitsProcessorL
 
 from lookahead import Lookahead, LookaheadConfig, sequence
 from lookahead.cost_curve import CostCurve
-from lookahead.row_processors import ROW_WARPERS, scores_rows_alone
+from lookahead.row_processors import ROW_WARPERS, run_row_warpers, scores_rows_alone
 from lookahead.top_p import SortedTopP
 
 WARPERS = {
@@ -39,6 +39,14 @@ def test_each_row_alone_gives_its_row_of_the_batch(name, vocab):
     for row in range(5):
         alone = warper(ids[row: row + 1], scores[row: row + 1].clone())
         assert torch.equal(alone[0], whole[row]), (name, row)
+
+
+def test_row_warpers_run_in_turn_as_the_list_runs_them():
+    torch.manual_seed(3)
+    ids, scores = torch.randint(0, 64, (1, 6)), torch.randn(1, 64) * 4
+    for names in (["temperature", "top_k", "sorted_top_p"], ["min_p", "temperature"], ["typical", "eta"]):
+        warpers = LogitsProcessorList(WARPERS[name] for name in names)
+        assert torch.equal(run_row_warpers(warpers, ids, scores.clone()), warpers(ids, scores.clone()))
 
 
 def test_only_lists_of_listed_warpers_run_on_one_row():
