@@ -6,9 +6,10 @@ one after the other. `lean_layers(model)` gives every Llama-style decoder layer 
 q/k/v and gate/up products are prepacked as one (`packed_linear.FusedGroup`) a forward that calls the same
 products, norms, RoPE, cache and attention function directly: one call per stacked product read through views
 instead of copied slices, RoPE on queries and keys as one tensor with `rotate_half`'s sign folded into the sin once
-per forward (each dispatched operation costs tens of microseconds here, as every layer's weights stream through
-the caches and evict the dispatcher's working set: fewer operations, same arithmetic), the RMS norm
-by `torch.rms_norm` (on the CPU, transformers' own arithmetic: pow, mean, rsqrt, product). Every operation is the
+per forward, the RMS norm in a third of `torch.rms_norm`'s operations (`LeanNorm`: transformers' own arithmetic,
+with no Python numbers to convert). Each dispatched operation costs tens of microseconds here, as every layer's
+weights stream through the caches and evict the dispatcher's working set (`benchmarks/bench_dispatch.py`): fewer
+operations, the same arithmetic. Every operation is the
 one transformers' layer performs, element for element, so the logits are bit-identical (tests check it on every
 supported architecture and the default model).
 
@@ -70,7 +71,7 @@ def _supported(layer: nn.Module) -> bool:
     if attn is None or mlp is None:
         return False
     return (_stacked(attn.q_proj, attn.k_proj, attn.v_proj) and _stacked(mlp.gate_proj, mlp.up_proj)
-            and all(type(norm).__name__.endswith("RMSNorm")
+            and all(type(norm).__name__.endswith("RMSNorm") and _computes_like(norm)
                     for norm in (layer.input_layernorm, layer.post_attention_layernorm)))
 
 
@@ -88,6 +89,7 @@ class LeanForward:
 
     def __init__(self, layer: nn.Module, rotary: "FoldedRotary"):
         self.layer, self.rotary = layer, rotary
+        self.input_norm, self.post_norm = LeanNorm(layer.input_layernorm), LeanNorm(layer.post_attention_layernorm)
         attn, mlp = layer.self_attn, layer.mlp
         self.own_forward = type(layer).forward.__get__(layer)
         self.head_dim = attn.head_dim
@@ -108,10 +110,10 @@ class LeanForward:
                                     past_key_values=past_key_values, use_cache=use_cache,
                                     position_embeddings=position_embeddings, **kwargs)
         layer = self.layer
-        attended = self._attention(_rms_norm(hidden_states, layer.input_layernorm), attention_mask,
+        attended = self._attention(self.input_norm(hidden_states), attention_mask,
                                    position_ids, past_key_values, use_cache, position_embeddings, kwargs)
         hidden_states = hidden_states + attended
-        return hidden_states + self._mlp(_rms_norm(hidden_states, layer.post_attention_layernorm))
+        return hidden_states + self._mlp(self.post_norm(hidden_states))
 
     def _handles(self, hidden_states: torch.Tensor, position_embeddings, kwargs: dict) -> bool:
         """Whether this call is one the lean forward computes (else the layer's own forward runs)."""
@@ -174,9 +176,40 @@ def _standard_rotate_half(rotate_half) -> bool:
     return torch.equal(rotate_half(probe), torch.tensor([-5.0, -6.0, -7.0, -8.0, 1.0, 2.0, 3.0, 4.0]).view(1, 1, 1, 8))
 
 
-def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """transformers' Llama RMS norm of fp32 `x`: weight · x / sqrt(mean(x²) + eps)."""
-    return torch.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+class LeanNorm:
+    """transformers' Llama RMS norm of fp32 `x`, weight · (x · rsqrt(mean(x²) + eps)), in eight dispatched operations
+    instead of `torch.rms_norm`'s 24: x · x (what `pow(x, 2)` computes), its sum over the last dimension divided in
+    place by the width (how torch's CPU `mean` computes), + eps, rsqrt, two products. The width and eps are float32
+    0-dim tensors, which spares converting a Python number at every call; the numbers are the same bit for bit
+    (`_computes_like` checks it once per norm class against the module's own forward)."""
+
+    def __init__(self, norm: nn.Module):
+        self.weight = norm.weight
+        self.width = torch.tensor(float(norm.weight.shape[-1]))
+        self.eps = torch.tensor(norm.variance_epsilon, dtype=torch.float32)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The normed `x` `[..., width]`."""
+        variance = (x * x).sum(-1, keepdim=True).div_(self.width).add_(self.eps)
+        return x * variance.rsqrt_() * self.weight
+
+
+_NORM_CHECKED: dict[tuple[type, torch.dtype], bool] = {}  # (norm class, weight dtype) -> `LeanNorm` computes it
+
+
+def _computes_like(norm: nn.Module) -> bool:
+    """Whether `LeanNorm` gives `norm`'s own fp32 output bit for bit (probed once per class on seeded inputs of
+    several scales)."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if not isinstance(weight, torch.Tensor) or not isinstance(eps, float):
+        return False
+    kind = (type(norm), weight.dtype)
+    if kind not in _NORM_CHECKED:
+        gen = torch.Generator().manual_seed(0)
+        probe = torch.randn(2, 5, norm.weight.shape[-1], generator=gen) * torch.tensor([1e-3, 30.0]).view(2, 1, 1)
+        with torch.no_grad():
+            _NORM_CHECKED[kind] = weight.dtype == torch.float32 and torch.equal(LeanNorm(norm)(probe), norm(probe))
+    return _NORM_CHECKED[kind]
 
 
 def _project(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:

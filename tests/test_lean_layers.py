@@ -13,7 +13,8 @@ from lookahead import Lookahead, LookaheadConfig
 from lookahead.attention import tree_attention
 from lookahead.cache import make_compactable
 from lookahead.layout import pack
-from lookahead.lean_layers import LeanForward, lean_layers
+from lookahead import lean_layers as lean
+from lookahead.lean_layers import LeanForward, LeanNorm, lean_layers
 from lookahead.packed_linear import packed_linears
 from lookahead.tree import DraftTree
 
@@ -119,6 +120,31 @@ def test_lean_layers_need_the_standard_rotate_half(monkeypatch):
     monkeypatch.setattr(llama, "rotate_half", standard)
     with packed_linears(model), lean_layers(model) as installed:
         assert installed == 3
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_lean_norm_is_the_modules_own_norm_bit_for_bit(family):
+    norm = build_tiny_model(family, dtype=torch.float32, layers=1).model.layers[0].input_layernorm
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(norm.weight.shape, generator=gen))
+        for rows in (1, 3, 8, 17, 64):
+            for scale in (1e-4, 1.0, 50.0):
+                x = torch.randn(2, rows, norm.weight.shape[0], generator=gen) * scale
+                assert torch.equal(LeanNorm(norm)(x), norm(x))
+
+
+def test_lean_layers_need_a_norm_they_compute_exactly(monkeypatch):
+    """A norm class whose forward `LeanNorm` does not reproduce (here: eps added outside the square root) keeps
+    the layer's own forward."""
+    import transformers.models.llama.modeling_llama as llama
+
+    model = _model("llama")
+    monkeypatch.setattr(lean, "_NORM_CHECKED", {})
+    monkeypatch.setattr(llama.LlamaRMSNorm, "forward",
+                        lambda self, x: self.weight * (x / (x.pow(2).mean(-1, keepdim=True).sqrt() + 1e-6)))
+    with packed_linears(model), lean_layers(model) as installed:
+        assert installed == 0
 
 
 class _LeanSpy(LogitsProcessor):
