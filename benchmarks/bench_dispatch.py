@@ -1,14 +1,15 @@
-"""What one dispatched operation costs inside a forward: small operations of a decoding row, warm and right after
-a decoder layer's weights have streamed through the caches.
+"""What a dispatched operation costs inside a forward: small operations of a decoding row, warm and right after a
+decoder layer's weights have streamed through the caches.
 
 A one-row forward of the default model runs ~30 small operations per decoder layer between its four matrix
 products, and each product streams megabytes of weights through the caches, evicting what the next small
 operation needs (PyTorch's dispatcher, the kernel's code, the allocator's lists). This script times each
 operation warm (called again and again) and cold (right after a product of `--stream-mb` MB of fp32 weights, as
 in a forward), medians of `--repeats` interleaved rounds, and counts the operations each one dispatches (torch's
-profiler). The RoPE rows compare transformers' `apply_rotary_pos_emb` (queries and keys apart), the same formula
-on queries and keys as one tensor, and `lean_layers`' folded form (rotate_half's sign folded into the sin, which
-is computed once per forward): the same numbers, checked here bit for bit.
+profiler). The RMS norm rows compare `torch.rms_norm` with `lean_layers.LeanNorm`; the RoPE rows compare
+transformers' `apply_rotary_pos_emb` (queries and keys apart), the same formula on queries and keys as one tensor,
+and `lean_layers`' folded form (rotate_half's sign folded into the sin, which is computed once per forward). The
+forms of each give the same numbers, checked here bit for bit.
 
     python benchmarks/bench_dispatch.py --out benchmarks/results/dispatch-cpu.json
 """
@@ -19,6 +20,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotate_half
@@ -49,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def operations(rows: int) -> dict:
     """{name: a no-argument callable} of the small operations of a `rows`-row decoding step; raises
     `AssertionError` if the RoPE forms do not give the same numbers."""
-    from lookahead.lean_layers import FoldedRotary
+    from lookahead.lean_layers import FoldedRotary, LeanNorm
 
     gen = torch.Generator().manual_seed(0)
     x, weight = torch.randn(1, rows, HIDDEN, generator=gen), torch.randn(HIDDEN, generator=gen)
@@ -58,6 +60,7 @@ def operations(rows: int) -> dict:
     angles = torch.randn(1, rows, HEAD_DIM, generator=gen)
     cos, sin = angles.cos(), angles.sin()
     folded = FoldedRotary()
+    lean_norm = LeanNorm(SimpleNamespace(weight=weight, variance_epsilon=1e-5))
     half = HEAD_DIM // 2
 
     def rope_folded():
@@ -66,11 +69,13 @@ def operations(rows: int) -> dict:
 
     ops = {
         "add": lambda: x + x,
-        "rms_norm": lambda: torch.rms_norm(x, (HIDDEN,), weight, 1e-5),
+        "RMS norm, torch.rms_norm": lambda: torch.rms_norm(x, (HIDDEN,), weight, 1e-5),
+        "RMS norm, LeanNorm (used)": lambda: lean_norm(x),
         "RoPE, transformers (q, k apart)": lambda: apply_rotary_pos_emb(query, key, cos, sin),
         "RoPE, q and k as one": lambda: heads * cos.unsqueeze(1) + rotate_half(heads) * sin.unsqueeze(1),
         "RoPE, sign folded into the sin (used)": rope_folded,
     }
+    assert torch.equal(ops["RMS norm, LeanNorm (used)"](), ops["RMS norm, torch.rms_norm"]())
     q_ref, k_ref = ops["RoPE, transformers (q, k apart)"]()
     for name in ("RoPE, q and k as one", "RoPE, sign folded into the sin (used)"):
         out = ops[name]()

@@ -1,6 +1,6 @@
 """Smoke test of benchmarks/bench_dispatch.py: every operation timed warm and cold and its dispatches counted; the
-RoPE forms give the same numbers; the folded RoPE dispatches fewer operations than transformers' (no timing is
-asserted)."""
+RoPE and RMS-norm forms give the same numbers; lookahead's forms dispatch fewer operations than transformers'
+(no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def test_dispatch_benchmark_runs_and_counts_operations(tmp_path, capsys):
     assert all(m["warm_us"] > 0 and m["cold_us"] > 0 and m["dispatched"] >= 1 for m in ops.values())
     assert ops["RoPE, sign folded into the sin (used)"]["dispatched"] < ops["RoPE, q and k as one"]["dispatched"] \
         < ops["RoPE, transformers (q, k apart)"]["dispatched"]
+    assert ops["RMS norm, LeanNorm (used)"]["dispatched"] < ops["RMS norm, torch.rms_norm"]["dispatched"]
     assert "cold / warm" in capsys.readouterr().out
     assert "cpu_flags" in result["machine"]
 
