@@ -93,6 +93,11 @@ def path_values(tree, rates: np.ndarray) -> np.ndarray:
     return values
 
 
+def best_first(scores: np.ndarray) -> np.ndarray:
+    """`scores` sorted from best to worst, ties in their order (the order `DraftTree.prune` keeps nodes in)."""
+    return -np.sort(-scores, kind="stable")
+
+
 def best_row_count(scores: np.ndarray, window_rows: int, window_value: float, curve: CostCurve) -> tuple[int, bool]:
     """Choose how many tree nodes to keep and whether to run the window this step.
 
@@ -152,16 +157,14 @@ class StepPlanner:
 
     def node_scores(self, tree) -> np.ndarray:
         """Estimated P(path accepted) of each non-root node, best first (the order `rank(tree).prune` keeps)."""
-        scores = path_values(tree, self.rates.rates())[1:]
-        return -np.sort(-scores, kind="stable")
+        return best_first(path_values(tree, self.rates.rates())[1:])
 
     def plan(self, tree):
         """Return (the ranked tree pruned to the nodes worth verifying, whether to run the window)."""
         ranked = self.rank(tree)
         if self.curve is None:
             return ranked, self.window_rows > 0
-        scores = -np.sort(-ranked.scores[1:], kind="stable")  # node_scores(tree), from the values just computed
-        k, use_window = best_row_count(scores, self.window_rows, self.window_value, self.curve)
+        k, use_window = best_row_count(best_first(ranked.scores[1:]), self.window_rows, self.window_value, self.curve)
         return ranked.prune(k), use_window
 
     def chain_length(self, source: int, seconds_per_token: float | None, max_len: int) -> int:

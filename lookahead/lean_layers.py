@@ -21,6 +21,7 @@ packed, and layers that already carry a forward of their own (e.g. accelerate's 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator
 
@@ -168,8 +169,10 @@ class FoldedRotary:
         return self._factors
 
 
+@functools.cache
 def _standard_rotate_half(rotate_half) -> bool:
-    """Whether `rotate_half` is Llama's cat(-x2, x1) (the form `FoldedRotary` folds into the sin)."""
+    """Whether `rotate_half` is Llama's cat(-x2, x1) (the form `FoldedRotary` folds into the sin); probed once per
+    function."""
     if rotate_half is None:
         return False
     probe = torch.arange(1.0, 9.0).view(1, 1, 1, 8)
@@ -206,7 +209,7 @@ def _computes_like(norm: nn.Module) -> bool:
     kind = (type(norm), weight.dtype)
     if kind not in _NORM_CHECKED:
         gen = torch.Generator().manual_seed(0)
-        probe = torch.randn(2, 5, norm.weight.shape[-1], generator=gen) * torch.tensor([1e-3, 30.0]).view(2, 1, 1)
+        probe = torch.randn(2, 5, weight.shape[-1], generator=gen) * torch.tensor([1e-3, 30.0]).view(2, 1, 1)
         with torch.no_grad():
             _NORM_CHECKED[kind] = weight.dtype == torch.float32 and torch.equal(LeanNorm(norm)(probe), norm(probe))
     return _NORM_CHECKED[kind]
