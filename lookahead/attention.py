@@ -113,9 +113,15 @@ def tree_attention_forward(
 
 def _grouped_cpu_eligible(module, query: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
     """Whether SDPA with `enable_gqa` computes this call exactly as transformers' SDPA path would: a CPU call of a
-    grouped-query layer with a 4D mask and none of the extras that path handles (position bias, paged cache,
-    softcap, attention weights)."""
-    if query.is_cuda or attention_mask is None or attention_mask.dim() != 4:
+    grouped-query layer with a 4D mask, or of one query row without a mask (a plain decoding step: transformers
+    then passes `enable_gqa` itself, and `is_causal` means nothing for one row), and none of the extras that path
+    handles (position bias, paged cache, softcap, attention weights)."""
+    if query.is_cuda:
+        return False
+    if attention_mask is None:
+        if query.shape[2] != 1:
+            return False
+    elif attention_mask.dim() != 4:
         return False
     if getattr(module, "num_key_value_groups", 1) <= 1:
         return False

@@ -97,6 +97,7 @@ class LeanForward:
         self.query_heads = attn.q_proj.out_features // attn.head_dim
         self.rotated_heads = (attn.q_proj.out_features + attn.k_proj.out_features) // attn.head_dim
         self.intermediate = mlp.gate_proj.out_features
+        self.silu = _is_silu(mlp.act_fn)  # then SiLU runs in place on the gate half (a fresh product's view)
         window = _SLIDING_WINDOW[type(layer).__name__]
         self.window_kwargs = {} if window is None else {"sliding_window": window(attn)}
         modeling = sys.modules[type(attn).__module__]  # the architecture's own helpers, called as its layer does
@@ -110,11 +111,10 @@ class LeanForward:
             return self.own_forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                     past_key_values=past_key_values, use_cache=use_cache,
                                     position_embeddings=position_embeddings, **kwargs)
-        layer = self.layer
         attended = self._attention(self.input_norm(hidden_states), attention_mask,
                                    position_ids, past_key_values, use_cache, position_embeddings, kwargs)
-        hidden_states = hidden_states + attended
-        return hidden_states + self._mlp(self.post_norm(hidden_states))
+        hidden_states = attended.add_(hidden_states)  # = hidden_states + attended: addition commutes exactly
+        return self._mlp(self.post_norm(hidden_states)).add_(hidden_states)
 
     def _handles(self, hidden_states: torch.Tensor, position_embeddings, kwargs: dict) -> bool:
         """Whether this call is one the lean forward computes (else the layer's own forward runs)."""
@@ -134,7 +134,7 @@ class LeanForward:
         # apply_rotary_pos_emb on q and k at once: x * cos + rotate_half(x) * sin, with rotate_half(x) * sin =
         # cat(-x2, x1) * cat(sin1, sin2) computed as cat(x2, x1) * cat(-sin1, sin2) — the same products exactly
         # (negating a factor negates the rounded product), in two operations instead of five.
-        query_key = query_key * cos + query_key.roll(self.head_dim // 2, -1) * folded_sin
+        query_key = (query_key * cos).add_(query_key.roll(self.head_dim // 2, -1).mul_(folded_sin))
         query, key = query_key[:, :self.query_heads], query_key[:, self.query_heads:]
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, attn.layer_idx)
@@ -147,8 +147,11 @@ class LeanForward:
         """The MLP block's output for the normed input `x`: down(act(gate(x)) * up(x))."""
         mlp = self.layer.mlp
         gate_up = _linear(x, mlp.gate_proj.group.packed)  # [B, T, 2 × intermediate]
-        hidden = mlp.act_fn(gate_up[..., :self.intermediate]) * gate_up[..., self.intermediate:]
-        return _project(hidden, mlp.down_proj)
+        gate, up = gate_up[..., :self.intermediate], gate_up[..., self.intermediate:]
+        # SiLU in place on the product's gate half; any other activation on a contiguous copy, the layout the
+        # layer's own forward hands it (GELU's CPU kernel rounds a strided input differently)
+        activated = torch.nn.functional.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate.contiguous())
+        return _project(activated * up, mlp.down_proj)
 
 
 class FoldedRotary:
@@ -213,6 +216,22 @@ def _computes_like(norm: nn.Module) -> bool:
         with torch.no_grad():
             _NORM_CHECKED[kind] = weight.dtype == torch.float32 and torch.equal(LeanNorm(norm)(probe), norm(probe))
     return _NORM_CHECKED[kind]
+
+
+_SILU_CHECKED: dict[type, bool] = {}  # activation class -> it computes torch's SiLU
+
+
+def _is_silu(act_fn: nn.Module) -> bool:
+    """Whether `act_fn` is a SiLU module (torch's or transformers') with its class's forward, computing
+    `torch.nn.functional.silu` bit for bit (probed once per class)."""
+    kind = type(act_fn)
+    if kind.__name__ not in ("SiLU", "SiLUActivation") or "forward" in act_fn.__dict__:
+        return False
+    if kind not in _SILU_CHECKED:
+        probe = torch.randn(3, 257, generator=torch.Generator().manual_seed(0)) * 8
+        with torch.no_grad():
+            _SILU_CHECKED[kind] = torch.equal(act_fn(probe), torch.nn.functional.silu(probe))
+    return _SILU_CHECKED[kind]
 
 
 def _project(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:

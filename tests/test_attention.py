@@ -165,6 +165,25 @@ def test_cpu_tree_forward_attends_grouped_without_copying_heads(model, monkeypat
     assert calls[-2:] == [(4, 2, True)] * 2  # the tree forward, both layers: 4 query heads on 2 key/value heads
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU path")
+def test_cpu_decoding_step_calls_grouped_sdpa_directly_with_sdpas_numbers(model, monkeypatch):
+    """A one-row unmasked CPU step (plain decoding) calls SDPA with enable_gqa itself, skipping transformers'
+    wrapper, and its logits are transformers' SDPA logits bit for bit (the unmasked prefill still goes through the
+    wrapper, which passes is_causal; the 4-row chunk has a mask and takes the grouped path as before)."""
+    expected = run_with(model, "sdpa", chunked_prefill_then_decode)
+    wrapper_rows = []
+    wrapper = attention.sdpa_attention_forward
+
+    def spy(module, query, *args, **kwargs):
+        wrapper_rows.append(query.shape[2])
+        return wrapper(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", spy)
+    logits = run_with(model, attention.register(), chunked_prefill_then_decode)
+    assert torch.equal(logits, expected)
+    assert wrapper_rows == [8, 8]  # the prefill, both layers; the 3 one-row steps called SDPA directly
+
+
 def test_tree_attention_switches_sdpa_models_and_restores_them(model):
     with attention.tree_attention(model, "auto") as on:
         assert on and model.config._attn_implementation == "lookahead_tree"

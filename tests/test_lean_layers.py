@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 ARCHITECTURES = {
     "llama": {},
     "qwen2": {},  # q/k/v with bias
+    "llama-gelu": {"hidden_act": "gelu"},  # another activation: the MLP calls the module's own
     "mistral-sliding": {"sliding_window": 8},
     "qwen2-mixed": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
                     "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]},
@@ -145,6 +146,20 @@ def test_lean_layers_need_a_norm_they_compute_exactly(monkeypatch):
                         lambda self, x: self.weight * (x / (x.pow(2).mean(-1, keepdim=True).sqrt() + 1e-6)))
     with packed_linears(model), lean_layers(model) as installed:
         assert installed == 0
+
+
+def test_silu_runs_in_place_only_for_silu_modules_computing_torchs_silu(monkeypatch):
+    from transformers.activations import SiLUActivation
+
+    monkeypatch.setattr(lean, "_SILU_CHECKED", {})
+    assert lean._is_silu(torch.nn.SiLU()) and lean._is_silu(SiLUActivation())
+    assert not lean._is_silu(torch.nn.GELU())
+    patched = SiLUActivation()
+    patched.forward = lambda x: x * torch.sigmoid(x)  # an instance forward of its own: left to it
+    assert not lean._is_silu(patched)
+    monkeypatch.setattr(torch.nn.SiLU, "forward", lambda self, x: torch.nn.functional.silu(x) * 1.0001)
+    monkeypatch.setattr(lean, "_SILU_CHECKED", {})  # probed once per class: a fresh probe for the patched one
+    assert not lean._is_silu(torch.nn.SiLU())  # a class that computes other numbers (probed)
 
 
 class _LeanSpy(LogitsProcessor):
