@@ -65,7 +65,7 @@ def operations(rows: int) -> dict:
 
     def rope_folded():
         cos_, sin_ = folded((cos, sin))  # computed once per forward in a real step: cached after the first call
-        return heads * cos_ + heads.roll(half, -1) * sin_
+        return (heads * cos_).add_(heads.roll(half, -1).mul_(sin_))  # in place on the fresh products
 
     ops = {
         "add": lambda: x + x,

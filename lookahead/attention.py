@@ -4,7 +4,8 @@
 cached prefix (the verification step) runs the Triton tree kernel with the mask's last T columns as the tree. On
 the CPU, a masked forward of a grouped-query model (the verification step) runs PyTorch's SDPA with
 `enable_gqa=True` instead of transformers' copy of every key/value head per query head (`repeat_kv`), which costs
-more than the attention itself at 8–16 rows. Everything else (prefill, single-token decode, features such as a
+more than the attention itself at 8–16 rows, and an unmasked one-row forward (plain decoding) makes the very SDPA
+call transformers' wrapper would make, without the wrapper's Python. Everything else (prefill, features such as a
 position bias) runs transformers' own SDPA attention unchanged. All compute the same attention, so choosing
 between them never changes what the model means. Triton is imported only on the kernel path, so the CPU path
 works without it. `tree_attention(model, choice)` switches a model to the backend for a block of code.
