@@ -148,9 +148,11 @@ class LeanForward:
         mlp = self.layer.mlp
         gate_up = _linear(x, mlp.gate_proj.group.packed)  # [B, T, 2 × intermediate]
         gate, up = gate_up[..., :self.intermediate], gate_up[..., self.intermediate:]
-        # SiLU in place on the product's gate half; any other activation on a contiguous copy, the layout the
-        # layer's own forward hands it (GELU's CPU kernel rounds a strided input differently)
-        activated = torch.nn.functional.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate.contiguous())
+        # The activation runs on a contiguous copy of the gate half, the layout the layer's own forward hands it:
+        # CPU kernels round the elements of a vector loop's tail differently (exp, erf), and where the tails fall
+        # depends on the layout (and on how the threads split the work). SiLU then runs in place on that copy.
+        gate = gate.contiguous()
+        activated = torch.nn.functional.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)
         return _project(activated * up, mlp.down_proj)
 
 

@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "llama": {},
     "qwen2": {},  # q/k/v with bias
     "llama-gelu": {"hidden_act": "gelu"},  # another activation: the MLP calls the module's own
+    "llama-odd-width": {"intermediate_size": 100},  # SiLU's vector loop leaves tails (rounded otherwise)
     "mistral-sliding": {"sliding_window": 8},
     "qwen2-mixed": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
                     "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]},
