@@ -97,7 +97,7 @@ class LeanForward:
         self.query_heads = attn.q_proj.out_features // attn.head_dim
         self.rotated_heads = (attn.q_proj.out_features + attn.k_proj.out_features) // attn.head_dim
         self.intermediate = mlp.gate_proj.out_features
-        self.silu = _is_silu(mlp.act_fn)  # then SiLU runs in place on the gate half (a fresh product's view)
+        self.silu = _is_silu(mlp.act_fn)  # then SiLU runs in place, without a module call
         window = _SLIDING_WINDOW[type(layer).__name__]
         self.window_kwargs = {} if window is None else {"sliding_window": window(attn)}
         modeling = sys.modules[type(attn).__module__]  # the architecture's own helpers, called as its layer does
