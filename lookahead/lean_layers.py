@@ -5,8 +5,9 @@ them: module calls, the slicing copies of the stacked q/k/v and gate/up products
 one after the other. `lean_layers(model)` gives every Llama-style decoder layer (Llama, Qwen2, Mistral) whose
 q/k/v and gate/up products are prepacked as one (`packed_linear.FusedGroup`) a forward that calls the same
 products, norms, RoPE, cache and attention function directly: one call per stacked product read through views
-instead of copied slices, RoPE on queries and keys as one tensor with `rotate_half`'s sign folded into the sin once
-per forward, the RMS norm in a third of `torch.rms_norm`'s operations (`LeanNorm`: transformers' own arithmetic,
+instead of copied slices (except the MLP's gate half, copied as the layer's own forward copies it: the activation's
+rounding depends on its input's layout), RoPE on queries and keys as one tensor with `rotate_half`'s sign folded
+into the sin once per forward, the RMS norm in a third of `torch.rms_norm`'s operations (`LeanNorm`: transformers' own arithmetic,
 with no Python numbers to convert). Each dispatched operation costs tens of microseconds here, as every layer's
 weights stream through the caches and evict the dispatcher's working set (`benchmarks/bench_dispatch.py`): fewer
 operations, the same arithmetic. Every operation is the
