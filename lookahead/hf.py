@@ -22,6 +22,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .attention import tree_attention
 from .cache import make_compactable
 from .calibration import cost_curve_for
+from .compat import check_transformers
 from .config import LookaheadConfig
 from .cost_curve import CostCurve
 from .decoder import Decoder
@@ -71,7 +72,9 @@ class Lookahead:
     def __call__(self, model, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
                  generation_config: GenerationConfig, synced_gpus: bool = False,
                  lookahead_streamer=None, **model_kwargs):
-        """Decoding loop called by `generate`; returns what `generate` would (sequences or a dict output)."""
+        """Decoding loop called by `generate`; returns what `generate` would (sequences or a dict output).
+        Raises `compat.UnsupportedTransformers` on a transformers release lookahead does not support."""
+        check_transformers()
         with generation_arithmetic(model, self.config):
             return self._generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                   lookahead_streamer, model_kwargs)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .compat import UnsupportedTransformers, check_transformers
 from .distributed import check_head_split
 from .draft_model import check_draft_model, check_same_tokenizer, early_exit_draft
 from .paths import cache_dir
@@ -43,8 +44,12 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     `tp_plan="auto"` shards the model over the processes of a `torchrun` launch (tensor parallelism);
     `device_map` / `offload_folder` split it over devices, CPU and disk (accelerate); both go to transformers'
     `from_pretrained` unchanged. Raises `ModelLoadError` for a missing or unreadable path, or a sharding that
-    cannot be done (the message says why).
+    cannot be done, or a transformers release lookahead does not support (the message says why).
     """
+    try:
+        check_transformers()
+    except UnsupportedTransformers as exc:
+        raise ModelLoadError(str(exc)) from exc
     placement = _placement(tp_plan, device_map, offload_folder)
     if path is None:
         return _load_folder(default_model_folder(), dtype, placement)
