@@ -8,7 +8,6 @@ differ from plain `generate`. So an unsupported release is refused with one clea
 
 from __future__ import annotations
 
-import transformers
 from packaging.version import Version
 
 SUPPORTED = (Version("5.0"), Version("5.24"))  # [oldest, first unsupported), as pyproject.toml pins it
@@ -18,10 +17,17 @@ class UnsupportedTransformers(ValueError):
     """The installed transformers release is outside `SUPPORTED`; the message names it and the fix."""
 
 
+def installed_version() -> str:
+    """The version of the transformers package that is imported."""
+    import transformers  # the module as imported now (importing it swaps in a lazy module object)
+
+    return transformers.__version__
+
+
 def check_transformers(version: str | None = None) -> None:
-    """Raise `UnsupportedTransformers` unless `version` (None: the installed `transformers.__version__`) is in
-    `SUPPORTED`; development builds count as their release."""
-    found = Version(version or transformers.__version__)
+    """Raise `UnsupportedTransformers` unless `version` (None: `installed_version()`) is in `SUPPORTED`;
+    development builds count as their release."""
+    found = Version(version or installed_version())
     oldest, first_unsupported = SUPPORTED
     if not oldest <= Version(found.base_version) < first_unsupported:
         raise UnsupportedTransformers(
