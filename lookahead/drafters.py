@@ -105,7 +105,7 @@ class Drafters:
                 paths += found
                 sources += [SHARED] * len(found)
             if self.recycle is not None:
-                rows, inv_temp = (NO_NOISE, 1.0) if noise is None else (noise.rows, noise.inv_temp)
+                rows, inv_temp = (NO_NOISE, 1.0) if noise is None else (noise.keys, noise.inv_temp)
                 found, ranks = self.recycle.propose(root, self._recycle_value(estimates), max_len, rows, inv_temp)
                 paths += found
                 sources += (RECYCLE + np.minimum(ranks, RECYCLE_SOURCES - 1)).tolist()

@@ -29,6 +29,8 @@ import threading
 import numba
 import numpy as np
 
+from .gumbel import gumbel_of
+
 
 @numba.njit(cache=True)
 def _update(table, scores, tokens, topk, values):
@@ -48,26 +50,26 @@ def _update(table, scores, tokens, topk, values):
 @numba.njit(cache=True)
 def _child_places(table, scores, noise, inv_temp, token, depth, out):
     """out[r] = the place of table[token, r] among `token`'s children at depth `depth`: r itself, or, when
-    `noise` [Dn, V] has a row for that depth (row depth - 1), its place by scores * inv_temp + noise — the order
-    of the seeded rule's Gumbel-max draw at that index, as far as the recycled top-k logits tell."""
+    `noise` [Dn] uint64 has a key for that depth (key depth - 1), its place by scores * inv_temp + that index's
+    Gumbel noise (`gumbel.gumbel_of`) — the order of the seeded rule's Gumbel-max draw at that index, as far as
+    the recycled top-k logits tell."""
     k = table.shape[1]
     row = depth - 1
     for r in range(k):
         out[r] = r
     if row >= noise.shape[0]:
         return
+    keys = np.full(k, -np.inf)
     for r in range(k):
         c = table[token, r]
-        if c < 0 or c >= noise.shape[1]:
+        if c >= 0:
+            keys[r] = scores[token, r] * inv_temp + gumbel_of(noise[row], c)
+    for r in range(k):
+        if table[token, r] < 0:
             continue
-        key = scores[token, r] * inv_temp + noise[row, c]
         place = 0
         for r2 in range(k):
-            c2 = table[token, r2]
-            if r2 == r or c2 < 0 or c2 >= noise.shape[1]:
-                continue
-            key2 = scores[token, r2] * inv_temp + noise[row, c2]
-            if key2 > key or (key2 == key and r2 < r):
+            if r2 != r and table[token, r2] >= 0 and (keys[r2] > keys[r] or (keys[r2] == keys[r] and r2 < r)):
                 place += 1
         out[r] = place
 
@@ -79,10 +81,10 @@ def _grow(table, scores, noise, inv_temp, root, value, max_nodes, max_depth, pat
 
     value: [D, k] float64, conditional acceptance of a node at depth d (row d - 1, last row for deeper ones) and
     rank r; max_depth <= paths.shape[1]. A child's rank is its top-k column, or its place under the seeded
-    draw's noise when `noise` has a row for its depth (`_child_places`; scores [vocab, k] float32 the recycled
-    logits). Writes, per node in selection order (a parent before its children): paths[i, :depth[i]] its tokens
-    from the root's child down to it, depth[i], rank[i], parent[i] (-1 = the root), score[i] (product of the
-    values along its path). f_parent / f_column / f_rank / f_score: frontier scratch of at least
+    draw's noise when `noise` ([Dn] uint64 keys) has a key for its depth (`_child_places`; scores [vocab, k]
+    float32 the recycled logits). Writes, per node in selection order (a parent before its children):
+    paths[i, :depth[i]] its tokens from the root's child down to it, depth[i], rank[i], parent[i] (-1 = the
+    root), score[i] (product of the values along its path). f_parent / f_column / f_rank / f_score: frontier scratch of at least
     max_nodes * k + k entries; places: [k] scratch.
     """
     k = table.shape[1]
@@ -202,7 +204,7 @@ class RecycleTable:
             return grower.grow(self.table, self.scores, root, value, noise, inv_temp)
 
 
-NO_NOISE = np.zeros((0, 1), dtype=np.float32)  # `_grow` without noise rows: children ranked by top-k column
+NO_NOISE = np.zeros(0, dtype=np.uint64)  # `_grow` without noise keys: children ranked by top-k column
 
 
 class _Grower:
@@ -228,7 +230,7 @@ class _Grower:
 
     def grow(self, table: np.ndarray, scores: np.ndarray, root: int, value: np.ndarray, noise: np.ndarray,
              inv_temp: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Run `_grow` on `table` [vocab, k] and its `scores`; value: [D, k] float64; noise: [Dn, V] float32
+        """Run `_grow` on `table` [vocab, k] and its `scores`; value: [D, k] float64; noise: [Dn] uint64 keys
         (`NO_NOISE`: rank by column). Returns copies (paths, depth, rank)."""
         n = _grow(table, scores, noise, float(inv_temp), root, np.ascontiguousarray(value, dtype=np.float64),
                   self.max_nodes, self.max_depth, self.paths, self.depth, self.rank, self.parent, self.score,
@@ -265,9 +267,9 @@ class RecycleDrafter:
                 inv_temp: float = 1.0) -> tuple[list[np.ndarray], np.ndarray]:
         """Draft paths from `root`: one path per grown node (root's child down to the node, parents first) and
         each node's rank [n] int64. `value` [D, k]: conditional acceptance by depth and rank; paths are cut to
-        `max_len` tokens (deeper nodes are dropped). `noise` [Dn, V] float32: the seeded rule's Gumbel noise at
-        the indices of depths 1..Dn, which then ranks a node's children by recycled logit * `inv_temp` + noise
-        (the order the seeded draw would pick them in) instead of by top-k column."""
+        `max_len` tokens (deeper nodes are dropped). `noise` [Dn] uint64: the seeded rule's noise keys of the
+        indices of depths 1..Dn (`draft_noise.DraftNoise`), which then ranks a node's children by recycled logit *
+        `inv_temp` + noise (the order the seeded draw would pick them in) instead of by top-k column."""
         paths, depth, rank = self.table.grow(self._grower, int(root), value, noise, inv_temp)
         keep = depth <= max_len
         return [p[:d] for p, d in zip(paths[keep], depth[keep].tolist())], rank[keep]

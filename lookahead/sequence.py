@@ -93,7 +93,7 @@ class Sequence:
         """The token chosen by the rule from the prefill's last logits [V]."""
         self.drafters.recycle_rows(self.ids[self.length - 1: self.length], logits.view(1, -1))
         if isinstance(self.rule, SeededRule) and self.drafters.recycle is not None:
-            self._noise = SeededDraftNoise(self.rule.seed, logits.shape[-1], self.config.max_draft_len,
+            self._noise = SeededDraftNoise(self.rule.seed, self.config.max_draft_len,
                                            sampling_temperature(self.request.logits_processor))
         scores = self.score([], logits) if self.has_processors else logits
         if self.record is not None:

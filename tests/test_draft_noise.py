@@ -1,5 +1,5 @@
-"""Noise-aware drafting under seeded sampling: the noise rows a draft sees are exactly the seeded rule's, and a
-seeded generation hands them to token recycling."""
+"""Noise-aware drafting under seeded sampling: the noise a draft sees is exactly the seeded rule's, and a seeded
+generation hands it to token recycling."""
 
 from __future__ import annotations
 
@@ -9,21 +9,22 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogit
 
 from lookahead import Lookahead, LookaheadConfig
 from lookahead.draft_noise import SeededDraftNoise, sampling_temperature
-from lookahead.recycle import RecycleDrafter
+from lookahead.gumbel import gumbel_of_tokens
+from lookahead.recycle import NO_NOISE, RecycleDrafter
 from lookahead.sampling import gumbel_noise
 from tiny_models import build_tiny_model, repetitive_prompt
 
 
-def _expected(seed: int, first: int, depth: int, vocab: int) -> np.ndarray:
-    return np.stack([gumbel_noise(seed, first + d, vocab).numpy().astype(np.float32) for d in range(depth)])
-
-
-def test_rows_are_the_seeded_rules_noise_after_the_root_as_it_moves():
-    noise = SeededDraftNoise(seed=9, vocab=50, depth=4, temperature=0.5)
+def test_keys_give_the_seeded_rules_noise_after_the_root_as_it_moves():
+    noise = SeededDraftNoise(seed=9, depth=4, temperature=0.5)
+    vocab = np.arange(50, dtype=np.int64)
     for root in (10, 11, 13, 13, 20, 3):  # forward by one and by two, standing still, a jump, backwards
-        rows = noise.at(root)
-        assert np.array_equal(rows.rows, _expected(9, root + 1, 4, 50)), root
-        assert rows.inv_temp == 2.0
+        drafted = noise.at(root)
+        assert drafted.keys.shape == (4,) and drafted.inv_temp == 2.0
+        for depth in range(4):
+            out = np.empty(50)
+            gumbel_of_tokens(drafted.keys[depth], vocab, out)
+            assert np.array_equal(out, gumbel_noise(9, root + 1 + depth, 50).numpy()), (root, depth)
 
 
 def test_gumbel_noise_hands_out_copies():
@@ -41,7 +42,7 @@ def test_a_seeded_generation_drafts_with_its_noise_and_greedy_without(monkeypatc
     seen = []
     propose = RecycleDrafter.propose
 
-    def spy(self, root, value, max_len, noise=np.zeros((0, 1), np.float32), inv_temp=1.0):
+    def spy(self, root, value, max_len, noise=NO_NOISE, inv_temp=1.0):
         seen.append((noise.shape[0], inv_temp))
         return propose(self, root, value, max_len, noise, inv_temp)
 

@@ -11,6 +11,7 @@ import torch
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafters import RECYCLE, RECYCLE_SOURCES, SOURCE_DRAFTER, Drafters
+from lookahead.gumbel import gumbel_of, index_key
 from lookahead.recycle import RecycleDrafter, RecycleTable
 
 K = 3
@@ -220,12 +221,25 @@ def _scored_table() -> RecycleTable:
 CONFIDENT = np.array([[0.9, 0.05, 0.01]] * 2)
 
 
+def _key_ordering(logits: dict[int, float], order: list[int], inv_temp: float = 1.0) -> np.uint64:
+    """A noise key (`gumbel.index_key` of some seed) under which the tokens of `logits` ({token: recycled logit})
+    rank as `order` by logit * inv_temp + their Gumbel noise — the order of the seeded draw."""
+    for seed in range(10_000):
+        key = index_key(seed, 0)
+        drawn = sorted(logits, key=lambda t: -(logits[t] * inv_temp + gumbel_of(key, t)))
+        if drawn == order:
+            return key
+    raise AssertionError(f"no seed ranks {logits} as {order}")
+
+
+ROOT_CHILDREN, CHILDREN_OF_2 = {2: 3.0, 3: 2.0, 4: 1.0}, {5: 3.0, 6: 2.0, 7: 1.0}  # as in `_scored_table`
+
+
 def test_seeded_noise_orders_children_as_the_seeded_draw_would():
     drafter = _drafter(_scored_table(), nodes=3, depth=2)
-    noise = np.zeros((2, 16), dtype=np.float32)  # row d - 1: the noise of the token at depth d
-    noise[0, 4] = 2.5  # depth 1: token 4 scores 1 + 2.5 > token 2's 3
-    noise[1, 6] = 1.5  # depth 2: token 6 scores 2 + 1.5 > token 5's 3
-    paths, ranks = drafter.propose(1, CONFIDENT, 8, noise, 1.0)
+    keys = np.array([_key_ordering(ROOT_CHILDREN, [4, 2, 3]),  # depth 1: token 4 drawn before 2 and 3
+                     _key_ordering(CHILDREN_OF_2, [6, 5, 7])], dtype=np.uint64)  # depth 2: token 6 first
+    paths, ranks = drafter.propose(1, CONFIDENT, 8, keys, 1.0)
     assert [p.tolist() for p in paths] == [[4], [2], [2, 6]] and ranks.tolist() == [0, 1, 0]
     plain, plain_ranks = drafter.propose(1, CONFIDENT, 8)  # without noise: the top-k order
     assert [p.tolist() for p in plain] == [[2], [2, 5], [3]] and plain_ranks.tolist() == [0, 0, 1]
@@ -233,18 +247,21 @@ def test_seeded_noise_orders_children_as_the_seeded_draw_would():
 
 def test_seeded_noise_scales_the_recycled_logits_by_one_over_temperature():
     drafter = _drafter(_scored_table(), nodes=1, depth=2)
-    noise = np.zeros((1, 16), dtype=np.float32)
-    noise[0, 4] = 1.8  # token 4: 1 / T + 1.8 against token 2's 3 / T
-    assert drafter.propose(1, CONFIDENT, 8, noise, 1.0)[0][0].tolist() == [2]  # T = 1: 2.8 < 3
-    assert drafter.propose(1, CONFIDENT, 8, noise, 0.5)[0][0].tolist() == [4]  # T = 2: 2.3 > 1.5
+    def first(key, inv_temp):
+        return max(ROOT_CHILDREN, key=lambda t: ROOT_CHILDREN[t] * inv_temp + gumbel_of(key, t))
+
+    # a key whose draw takes token 2 at T = 1 and token 4 at T = 2
+    key = next(k for k in map(lambda s: index_key(s, 0), range(10_000)) if first(k, 1.0) == 2 and first(k, 0.5) == 4)
+    keys = np.array([key], dtype=np.uint64)
+    assert drafter.propose(1, CONFIDENT, 8, keys, 1.0)[0][0].tolist() == [2]
+    assert drafter.propose(1, CONFIDENT, 8, keys, 0.5)[0][0].tolist() == [4]
 
 
-def test_noise_rows_reach_only_their_depths():
+def test_noise_keys_reach_only_their_depths():
     drafter = _drafter(_scored_table(), nodes=3, depth=2)
-    noise = np.zeros((1, 16), dtype=np.float32)
-    noise[0, 3] = 5.0  # depth 1 only: depth 2 keeps the top-k order
-    paths, ranks = drafter.propose(1, CONFIDENT, 8, noise, 1.0)
-    assert [p.tolist() for p in paths] == [[3], [2], [2, 5]] and ranks.tolist() == [0, 1, 0]
+    keys = np.array([_key_ordering(ROOT_CHILDREN, [3, 2, 4])], dtype=np.uint64)  # depth 1 only
+    paths, ranks = drafter.propose(1, CONFIDENT, 8, keys, 1.0)
+    assert [p.tolist() for p in paths] == [[3], [2], [2, 5]] and ranks.tolist() == [0, 1, 0]  # depth 2: top-k
 
 
 def test_observe_keeps_the_recycled_logits_and_snapshots_restore_them():

@@ -21,7 +21,7 @@ import torch
 from scipy import stats
 
 from lookahead import sampling, verify
-from lookahead.sampling import gumbel_noise, gumbel_scores, probs_from_scores, sample_seeded
+from lookahead.sampling import gumbel_noise, gumbel_scores, noise_at, probs_from_scores, sample_seeded
 from lookahead.verify import sample_point_mass, verify_point_mass, verify_seeded
 from lookahead.tree import DraftTree
 
@@ -307,8 +307,19 @@ def test_gumbel_noise_rejects_bad_arguments(seed, index):
 def test_gumbel_noise_has_the_gumbel_law():
     noise = torch.cat([gumbel_noise(3, index, 1000) for index in range(10)]).numpy()
     assert stats.kstest(noise, stats.gumbel_r.cdf).pvalue > ALPHA
-    # indices are independent: neighbouring indices' noise is uncorrelated
+    # indices are independent: neighbouring indices' noise is uncorrelated; so are neighbouring tokens'
     assert abs(np.corrcoef(noise[:-1000], noise[1000:])[0, 1]) < 0.05
+    assert abs(np.corrcoef(noise[:-1], noise[1:])[0, 1]) < 0.05
+    # and neighbouring seeds'
+    other = torch.cat([gumbel_noise(4, index, 1000) for index in range(10)]).numpy()
+    assert abs(np.corrcoef(noise, other)[0, 1]) < 0.05
+
+
+def test_noise_at_is_the_vocabulary_noise_at_those_tokens():
+    tokens = torch.tensor([0, 7, 999, 7, 500])
+    assert torch.equal(noise_at(8, 30, tokens), gumbel_noise(8, 30, 1000)[tokens])
+    with pytest.raises(ValueError):
+        noise_at(8, -1, tokens)
 
 
 def test_sample_seeded_is_the_gumbel_argmax_and_never_draws_zero_probability():
@@ -344,8 +355,8 @@ def test_sample_seeded_on_a_sparse_support_rejects_bad_seeds_and_indices(seed, i
 
 def test_sample_seeded_on_a_sparse_support_breaks_ties_like_argmax(monkeypatch):
     # Without noise the scores are log p: equal masses tie, and argmax over the vocabulary takes the first.
-    monkeypatch.setattr(sampling, "_cpu_gumbel_noise",
-                        lambda seed, index, vocab: torch.zeros(vocab, dtype=torch.float64))
+    monkeypatch.setattr(sampling, "gumbel_noise", lambda seed, index, vocab, device: torch.zeros(vocab).double())
+    monkeypatch.setattr(sampling, "noise_at", lambda seed, index, tokens: torch.zeros(len(tokens)).double())
     probs = torch.zeros(100)
     probs[[90, 12, 55]] = torch.tensor([0.4, 0.4, 0.2])
     assert int(gumbel_scores(probs, 1, 2).argmax()) == 12
@@ -389,9 +400,10 @@ def test_seeded_matches_target_distribution(case):
 
 
 def test_negative_control_index_independent_noise_is_detected(monkeypatch):
-    real = sampling.gumbel_noise
+    real, real_at = sampling.gumbel_noise, sampling.noise_at
     # WRONG: the same noise at every index correlates successive tokens.
     monkeypatch.setattr(sampling, "gumbel_noise", lambda seed, index, vocab, device: real(seed, 0, vocab, device))
+    monkeypatch.setattr(sampling, "noise_at", lambda seed, index, tokens: real_at(seed, 0, tokens))
     counts, target = draw("siblings", seeded_step, n_draws=NEGATIVE_DRAWS)
     p_first, p_joint = p_values(counts, target)
     print(f"index-independent noise: p_first = {p_first:.3g}, p_joint = {p_joint:.3g}")
