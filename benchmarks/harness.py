@@ -138,12 +138,12 @@ def command_line(interpreter: str = "python") -> str:
 # ---- the machine ----
 
 def machine_info(threads: int, decoder: str = "lookahead") -> dict:
-    """CPU model, core count, threads, 1-minute load average (a list: a script may append the value at the end),
-    and the Python/torch/transformers versions and that of `decoder`, the package under test (`lookahead`, or
-    `lade` in its own environment)."""
+    """CPU model, its vector-instruction flags (`cpu_flags`), core count, threads, 1-minute load average (a list:
+    a script may append the value at the end), and the Python/torch/transformers versions and that of `decoder`,
+    the package under test (`lookahead`, or `lade` in its own environment)."""
     import transformers
 
-    return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "threads": threads,
+    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpu_count": os.cpu_count(), "threads": threads,
             "load_average": [os.getloadavg()[0]], "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, decoder: _version(decoder)}
@@ -191,7 +191,8 @@ def _cpuinfo(field: str) -> str | None:
 def machine_line(result: dict, decoder: str = "lookahead") -> str:
     """One line naming the machine, library versions (`decoder`'s too), threads, dtype, model and run sizes."""
     settings, machine = result["settings"], result["machine"]
-    return (f"CPU: {machine['cpu']} ({machine['cpu_count']} cores), {machine['threads']} threads, "
+    flags = " ".join(machine.get("cpu_flags", [])) or "unknown"  # results written before the flags were recorded
+    return (f"CPU: {machine['cpu']} ({machine['cpu_count']} cores; flags {flags}), {machine['threads']} threads, "
             f"{settings['dtype']}; torch {machine['torch']}, transformers {machine['transformers']}, "
             f"{decoder} {machine[decoder]}; model: {result['model']}; max {settings['max_new_tokens']} new tokens, "
             f"repetitions: {settings['repeats']}; load average "
