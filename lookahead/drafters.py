@@ -105,8 +105,8 @@ class Drafters:
                 paths += found
                 sources += [SHARED] * len(found)
             if self.recycle is not None:
-                rows, inv_temp = (NO_NOISE, 1.0) if noise is None else (noise.keys, noise.inv_temp)
-                found, ranks = self.recycle.propose(root, self._recycle_value(estimates), max_len, rows, inv_temp)
+                keys, inv_temp = (NO_NOISE, 1.0) if noise is None else (noise.keys, noise.inv_temp)
+                found, ranks = self.recycle.propose(root, self._recycle_value(estimates), max_len, keys, inv_temp)
                 paths += found
                 sources += (RECYCLE + np.minimum(ranks, RECYCLE_SOURCES - 1)).tolist()
         return DraftTree.from_paths(root, paths, sources, budget=sum(len(p) for p in paths))

@@ -39,11 +39,17 @@ def _mix(x):
 
 
 @numba.njit(cache=True)
+def uniform_of(h):
+    """A uniform in (0, 1) from a 64-bit hash `h` (uint64): (its top 52 bits + 1/2) / 2**52, exact in float64 and
+    strictly inside (0, 1) for every h, so both logs of the Gumbel transform stay finite (with 53 bits the top
+    value would round up to 1.0 and give +inf noise)."""
+    return (np.float64(h >> np.uint64(12)) + 0.5) * 2.220446049250313e-16
+
+
+@numba.njit(cache=True)
 def gumbel_of(key, token):
     """Standard Gumbel noise (float64) of `token` (int64 >= 0) under the index key `key` (uint64)."""
-    bits = _mix(key ^ _mix(np.uint64(token))) >> np.uint64(11)  # 53 random bits
-    u = (np.float64(bits) + 0.5) * 1.1102230246251565e-16  # in (0, 1): (bits + 1/2) / 2**53, log stays finite
-    return -np.log(-np.log(u))
+    return -np.log(-np.log(uniform_of(_mix(key ^ _mix(np.uint64(token))))))
 
 
 @numba.njit(cache=True)

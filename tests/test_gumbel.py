@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from scipy import stats
 
-from lookahead.gumbel import gumbel_of, index_key, noise_of, noise_of_vocab, splitmix64
+from lookahead.gumbel import gumbel_of, index_key, noise_of, noise_of_vocab, splitmix64, uniform_of
 
 
 def test_splitmix64_gives_the_reference_sequence():
@@ -33,3 +33,9 @@ def test_noise_is_standard_gumbel_and_finite():
     assert np.isfinite(noise).all()
     assert stats.kstest(noise, stats.gumbel_r.cdf).pvalue > 1e-3
     assert abs(noise.mean() - np.euler_gamma) < 0.03
+
+
+def test_the_extreme_hashes_give_uniforms_strictly_inside_the_unit_interval():
+    for h in (0, 1, 2**12 - 1, 2**63, 2**64 - 1):
+        u = uniform_of(np.uint64(h))
+        assert 0.0 < u < 1.0 and np.isfinite(-np.log(-np.log(u))), h
