@@ -8,9 +8,17 @@ run before any numba-compiled module of the package is imported: `lookahead/__in
 
 numba has one process-wide setting (`numba.config.CACHE_DIR`): numba functions of other packages decorated
 after `import lookahead` cache there too. `$NUMBA_CACHE_DIR`, when set, is left alone.
+
+numba checks a cached function against its own source file only: a compiled caller keeps the code of a function
+it calls from another module (`recycle.py` calls `gumbel.py`, `prompt_lookup.py` calls `suffix_index.py`) even
+after that module changed, e.g. by an upgrade. So the cache folder is named by a digest of the package's sources:
+changed sources compile afresh into a folder of their own.
 """
 
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 import numba
 
@@ -19,10 +27,19 @@ from .paths import cache_root
 SUBDIR = "numba"
 
 
+def source_digest(folder: Path) -> str:
+    """16 hex digits of SHA-256 over the names and contents of the `.py` files directly in `folder`."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def use_user_cache_dir() -> None:
-    """Point numba's cache at `<lookahead cache>/numba` unless the user chose a folder ($NUMBA_CACHE_DIR)."""
+    """Point numba's cache at `<lookahead cache>/numba/<source digest>` unless the user chose a folder
+    ($NUMBA_CACHE_DIR)."""
     if not numba.config.CACHE_DIR:
-        numba.config.CACHE_DIR = str(cache_root() / SUBDIR)
+        numba.config.CACHE_DIR = str(cache_root() / SUBDIR / source_digest(Path(__file__).parent))
 
 
 use_user_cache_dir()

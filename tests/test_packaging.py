@@ -109,3 +109,26 @@ def test_numba_cache_dir_set_by_the_user_is_kept(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(chosen)
+
+
+def test_numba_cache_folder_follows_the_package_sources(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from lookahead.numba_cache import source_digest
+
+    folder = tmp_path / "pkg"
+    folder.mkdir()
+    (folder / "a.py").write_text("x = 1\n")
+    (folder / "b.py").write_text("y = 2\n")
+    first = source_digest(folder)
+    assert source_digest(folder) == first
+    (folder / "b.py").write_text("y = 3\n")  # a callee changed, its caller did not: a new folder
+    assert source_digest(folder) != first
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"} | {"LOOKAHEAD_CACHE": str(tmp_path)}
+    code = "import lookahead, numba; print(lookahead.__file__); print(numba.config.CACHE_DIR)"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    package, cache = run.stdout.split()
+    assert Path(cache) == tmp_path / "numba" / source_digest(Path(package).parent)
