@@ -84,8 +84,8 @@ def _grow(table, scores, noise, inv_temp, root, value, max_nodes, max_depth, pat
     draw's noise when `noise` ([Dn] uint64 keys) has a key for its depth (`_child_places`; scores [vocab, k]
     float32 the recycled logits). Writes, per node in selection order (a parent before its children):
     paths[i, :depth[i]] its tokens from the root's child down to it, depth[i], rank[i], parent[i] (-1 = the
-    root), score[i] (product of the values along its path). f_parent / f_column / f_rank / f_score: frontier scratch of at least
-    max_nodes * k + k entries; places: [k] scratch.
+    root), score[i] (product of the values along its path). f_parent / f_column / f_rank / f_score: frontier
+    scratch of at least max_nodes * k + k entries; places: [k] scratch.
     """
     k = table.shape[1]
     n_front = 0

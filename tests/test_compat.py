@@ -26,7 +26,8 @@ def test_supported_releases_pass(version):
 
 @pytest.mark.parametrize("version", ["4.57.1", "5.24.0", "5.24.0.dev0", "6.0.0"])
 def test_unsupported_releases_are_refused_naming_the_fix(version):
-    with pytest.raises(UnsupportedTransformers, match=rf"but {version} is installed: pip install 'transformers>=5.0,<5.24'"):
+    fix = "pip install 'transformers>=5.0,<5.24'"
+    with pytest.raises(UnsupportedTransformers, match=rf"but {version} is installed: {fix}"):
         check_transformers(version)
 
 
