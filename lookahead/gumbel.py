@@ -12,30 +12,20 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-_MASK64 = (1 << 64) - 1
-
-
-def splitmix64(x: int) -> int:
-    """SplitMix64 finaliser on a Python int: a bijection of 64-bit integers with good avalanche."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+@numba.njit(cache=True)
+def splitmix64(x):
+    """SplitMix64's step and finaliser on a uint64 (wrapping arithmetic): a bijection of 64-bit integers with good
+    avalanche; splitmix64(0) is the generator's first output from state 0."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 def index_key(seed: int, index: int) -> np.uint64:
     """The noise key of sequence index `index` under `seed` (both in [0, 2**64)): for a fixed seed a bijection of
     the index, so indices never share noise."""
-    return np.uint64(splitmix64(splitmix64(seed) ^ index))
-
-
-@numba.njit(cache=True)
-def _mix(x):
-    """SplitMix64 finaliser on a uint64 (wrapping arithmetic)."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+    return np.uint64(splitmix64(np.uint64(splitmix64(np.uint64(seed))) ^ np.uint64(index)))  # numba returns ints
 
 
 @numba.njit(cache=True)
@@ -49,7 +39,7 @@ def uniform_of(h):
 @numba.njit(cache=True)
 def gumbel_of(key, token):
     """Standard Gumbel noise (float64) of `token` (int64 >= 0) under the index key `key` (uint64)."""
-    return -np.log(-np.log(uniform_of(_mix(key ^ _mix(np.uint64(token))))))
+    return -np.log(-np.log(uniform_of(splitmix64(key ^ splitmix64(np.uint64(token))))))
 
 
 @numba.njit(cache=True)

@@ -48,20 +48,20 @@ def _update(table, scores, tokens, topk, values):
 
 
 @numba.njit(cache=True)
-def _child_places(table, scores, noise, inv_temp, token, depth, out):
+def _child_places(table, scores, noise, inv_temp, token, depth, out, keys):
     """out[r] = the place of table[token, r] among `token`'s children at depth `depth`: r itself, or, when
     `noise` [Dn] uint64 has a key for that depth (key depth - 1), its place by scores * inv_temp + that index's
     Gumbel noise (`gumbel.gumbel_of`) — the order of the seeded rule's Gumbel-max draw at that index, as far as
-    the recycled top-k logits tell."""
+    the recycled top-k logits tell. keys: [k] float64 scratch."""
     k = table.shape[1]
     row = depth - 1
     for r in range(k):
         out[r] = r
     if row >= noise.shape[0]:
         return
-    keys = np.full(k, -np.inf)
     for r in range(k):
         c = table[token, r]
+        keys[r] = -np.inf
         if c >= 0:
             keys[r] = scores[token, r] * inv_temp + gumbel_of(noise[row], c)
     for r in range(k):
@@ -76,7 +76,7 @@ def _child_places(table, scores, noise, inv_temp, token, depth, out):
 
 @numba.njit(cache=True)
 def _grow(table, scores, noise, inv_temp, root, value, max_nodes, max_depth, paths, depth, rank, parent, score,
-          f_parent, f_column, f_rank, f_score, places):
+          f_parent, f_column, f_rank, f_score, places, place_keys):
     """Best-first growth of a draft tree from `root` over `table`; returns the node count n <= max_nodes.
 
     value: [D, k] float64, conditional acceptance of a node at depth d (row d - 1, last row for deeper ones) and
@@ -85,11 +85,11 @@ def _grow(table, scores, noise, inv_temp, root, value, max_nodes, max_depth, pat
     float32 the recycled logits). Writes, per node in selection order (a parent before its children):
     paths[i, :depth[i]] its tokens from the root's child down to it, depth[i], rank[i], parent[i] (-1 = the
     root), score[i] (product of the values along its path). f_parent / f_column / f_rank / f_score: frontier
-    scratch of at least max_nodes * k + k entries; places: [k] scratch.
+    scratch of at least max_nodes * k + k entries; places, place_keys: [k] scratch.
     """
     k = table.shape[1]
     n_front = 0
-    _child_places(table, scores, noise, inv_temp, root, 1, places)
+    _child_places(table, scores, noise, inv_temp, root, 1, places, place_keys)
     for r in range(k):  # the root's children
         if table[root, r] >= 0:
             f_parent[n_front], f_column[n_front], f_rank[n_front] = -1, r, places[r]
@@ -114,7 +114,7 @@ def _grow(table, scores, noise, inv_temp, root, value, max_nodes, max_depth, pat
         depth[n], rank[n], parent[n], score[n] = d, r, p, s
         if d < max_depth:
             row = min(d, value.shape[0] - 1)
-            _child_places(table, scores, noise, inv_temp, token, d + 1, places)
+            _child_places(table, scores, noise, inv_temp, token, d + 1, places, place_keys)
             for r2 in range(k):
                 if table[token, r2] >= 0:
                     f_parent[n_front], f_column[n_front], f_rank[n_front] = n, r2, places[r2]
@@ -223,6 +223,7 @@ class _Grower:
         self.f_rank = np.zeros(front, dtype=np.int64)
         self.f_score = np.zeros(front, dtype=np.float64)
         self.places = np.zeros(k, dtype=np.int64)
+        self.place_keys = np.zeros(k, dtype=np.float64)
 
     def empty(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A draft with no nodes."""
@@ -234,7 +235,7 @@ class _Grower:
         (`NO_NOISE`: rank by column). Returns copies (paths, depth, rank)."""
         n = _grow(table, scores, noise, float(inv_temp), root, np.ascontiguousarray(value, dtype=np.float64),
                   self.max_nodes, self.max_depth, self.paths, self.depth, self.rank, self.parent, self.score,
-                  self.f_parent, self.f_column, self.f_rank, self.f_score, self.places)
+                  self.f_parent, self.f_column, self.f_rank, self.f_score, self.places, self.place_keys)
         return self.paths[:n].copy(), self.depth[:n].copy(), self.rank[:n].copy()
 
 

@@ -100,7 +100,8 @@ def sample_seeded(probs: torch.Tensor, seed: int, index: int) -> int:
     The seeded walk (`verify.verify_seeded`) emits exactly this draw at every index it visits. On the CPU, when
     top-k/top-p left few tokens with mass, only those are scored, with their noise alone (`noise_at`): the others
     score -inf and never win, and the support's indices ascend, so the first maximum is the same token (~0.07 ms
-    with 170 tokens of mass at V = 49k, instead of ~0.7 ms). Raises `ValueError` for a bad seed or index (`gumbel_noise`).
+    with 170 tokens of mass at V = 49k, instead of ~0.7 ms). Raises `ValueError` for a bad seed or index
+    (`gumbel_noise`).
     """
     if probs.device.type == "cpu" and probs.dim() == 1:
         support = probs.nonzero().view(-1)  # [S] ascending

@@ -11,8 +11,8 @@ from lookahead.gumbel import gumbel_of, index_key, noise_of, noise_of_vocab, spl
 
 def test_splitmix64_gives_the_reference_sequence():
     # SplitMix64 seeded with 0 outputs these (Vigna's splitmix64.c: state += golden gamma, then the finaliser)
-    assert splitmix64(0) == 0xE220A8397B1DCDAF
-    assert splitmix64(0x9E3779B97F4A7C15) == 0x6E789E6AA1B965F4
+    assert splitmix64(np.uint64(0)) == 0xE220A8397B1DCDAF
+    assert splitmix64(np.uint64(0x9E3779B97F4A7C15)) == 0x6E789E6AA1B965F4
 
 
 def test_index_keys_are_distinct_per_seed_and_index():
