@@ -31,7 +31,7 @@ def calibrate(model_path, refresh, packed, attention) -> None:
         raise click.ClickException(str(exc)) from exc
     try:
         config = LookaheadConfig(packed_linear=packed, attention=attention)
-        with generation_arithmetic(model, config) as arithmetic:
+        with generation_arithmetic(model, config, refresh=refresh) as arithmetic:
             curve = cost_curve_for(model, refresh=refresh)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc

@@ -19,12 +19,22 @@ from .paths import cache_dir
 
 CURVE_QUANTILE = 0.25  # a low quantile of repeated timings: machine noise only ever adds time
 CURVE_VERSION = 2  # bump when the measurement changes: older cached curves are not reused
+MAX_DEFAULT_ROWS = 4  # the default matmul is tried for products of 1..this many rows
+DEFAULT_ROWS_MARGIN = 0.95  # ... and taken where it needs at most this share of the packed products' time
 
 
 def curve_key(model, batch: int = 1) -> str:
     """Cache key: model config, device, dtype, torch threads, torch version, batch size, the arithmetic in effect
-    (prepacked linear layers (`packed_linear`), lean decoder layers (`lean_layers`), the attention implementation),
-    the device map of a model split by `device_map` and the measurement version."""
+    (prepacked linear layers (`packed_linear`) and the row count up to which they use the default matmul, lean
+    decoder layers (`lean_layers`), the attention implementation), the device map of a model split by
+    `device_map` and the measurement version."""
+    parts = _arithmetic_parts(model) + [f"default_rows={getattr(model, '_lookahead_default_rows', 0)}"]
+    parts += [f"batch={batch}"] if batch > 1 else []
+    return _digest(parts)
+
+
+def _arithmetic_parts(model) -> list[str]:
+    """What a measured timing depends on, besides the batch size and the default-matmul rows."""
     packed = bool(getattr(model, "_lookahead_packed_on", False))
     lean = bool(getattr(model, "_lookahead_lean_on", False))
     attention = getattr(model.config, "_attn_implementation", None)
@@ -32,8 +42,11 @@ def curve_key(model, batch: int = 1) -> str:
     parts = [model.config.to_json_string(use_diff=False), str(model.device), str(model.dtype),
              str(torch.get_num_threads()), torch.__version__, f"packed={packed}", f"lean={lean}",
              f"attention={attention}", f"v{CURVE_VERSION}"]
-    parts += [json.dumps(placement, sort_keys=True, default=str)] if placement else []
-    parts += [f"batch={batch}"] if batch > 1 else []
+    return parts + ([json.dumps(placement, sort_keys=True, default=str)] if placement else [])
+
+
+def _digest(parts: list[str]) -> str:
+    """A short hex digest of `parts`."""
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -169,3 +182,66 @@ def _time_rows(model, cache, prefix_len: int, rows: int, vocab: int) -> float:
     elapsed = time.perf_counter() - start
     cache.crop(-rows)
     return elapsed
+
+
+def default_rows_for(model, refresh: bool = False, quiet: bool = False) -> int:
+    """Up to how many rows the model's packed linear layers should compute with PyTorch's default matmul
+    (`packed_linear.set_default_rows`): from memory or the disk cache, else measured (`measure_default_rows`,
+    ~2 s) and cached. Call with the packed layers in place. Tensor-parallel ranks take rank 0's answer."""
+    key = _digest(_arithmetic_parts(model) + ["default-rows"])
+    path = cache_dir() / "cost" / f"{key}-default-rows.json"
+    found = _ROWS_MEMORY.get(key) if not refresh else None
+    if found is None and not refresh and path.exists():
+        found = _read_rows(path)
+    if found is None:
+        _say(quiet or not is_leader(), "lookahead: measuring which matmul is faster for a few rows")
+        found = measure_default_rows(model)
+        if is_leader():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"default_rows": found}))
+    found = leader_value(found)
+    _ROWS_MEMORY[key] = found
+    return found
+
+
+_ROWS_MEMORY: dict[str, int] = {}
+
+
+def _read_rows(path) -> int | None:
+    """The row count cached in `path`, or None when the file is unreadable or out of range."""
+    try:
+        rows = json.loads(path.read_text())["default_rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return rows if isinstance(rows, int) and 0 <= rows <= MAX_DEFAULT_ROWS else None
+
+
+@torch.no_grad()
+def measure_default_rows(model, max_rows: int = MAX_DEFAULT_ROWS, repeats: int = 7) -> int:
+    """The largest r <= max_rows such that, for every row count up to r, all of the model's packed products
+    together run clearly faster (by DEFAULT_ROWS_MARGIN) with PyTorch's default matmul than on the packed
+    weights; 0 when packing wins at one row (or nothing is packed). Kernels and row counts interleaved, a low
+    quantile of `repeats` timings each."""
+    from .packed_linear import default_product, packed_product, packed_weights
+
+    weights = packed_weights(model)
+    if not weights:
+        return 0
+    kernels = (default_product, packed_product)
+    times = {(r, kernel): [] for r in range(1, max_rows + 1) for kernel in kernels}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for r in range(1, max_rows + 1):
+            inputs = [torch.randn(r, w.linears[0].in_features, dtype=torch.float32) for w in weights]
+            for kernel in kernels:
+                start = time.perf_counter()
+                for x, packed in zip(inputs, weights):
+                    kernel(x, packed)
+                if round_:
+                    times[r, kernel].append(time.perf_counter() - start)
+    best = 0
+    for r in range(1, max_rows + 1):
+        default, packed = (float(np.quantile(times[r, k], CURVE_QUANTILE)) for k in kernels)
+        if default > DEFAULT_ROWS_MARGIN * packed:
+            break
+        best = r
+    return best

@@ -21,7 +21,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .attention import tree_attention
 from .cache import make_compactable
-from .calibration import cost_curve_for
+from .calibration import cost_curve_for, default_rows_for
 from .compat import check_transformers
 from .config import LookaheadConfig
 from .cost_curve import CostCurve
@@ -29,7 +29,7 @@ from .decoder import Decoder
 from .distributed import agreement, leader_value
 from .draft_model import check_draft_model
 from .lean_layers import lean_layers
-from .packed_linear import packed_linears
+from .packed_linear import packed_linears, set_default_rows
 from .recycle import RecycleTable
 from .request import DecodeRequest
 from .stats import DecodeStats
@@ -127,14 +127,21 @@ class Lookahead:
 
 
 @contextlib.contextmanager
-def generation_arithmetic(model, config: LookaheadConfig) -> Iterator[str]:
-    """Within the block the model computes as lookahead generation does (prepacked linear layers, the tree
-    attention backend, lean decoder layers, as `config` asks), for speculative and plain steps alike, and
-    tensor-parallel ranks take their timing-dependent decisions from rank 0 (`distributed.agreement`); yields a
-    one-line description."""
+def generation_arithmetic(model, config: LookaheadConfig, refresh: bool = False) -> Iterator[str]:
+    """Within the block the model computes as lookahead generation does (prepacked linear layers, with the
+    products of a few rows on PyTorch's default matmul where that is faster on this machine, the tree attention
+    backend, lean decoder layers, as `config` asks), for speculative and plain steps alike, and tensor-parallel
+    ranks take their timing-dependent decisions from rank 0 (`distributed.agreement`); yields a one-line
+    description. `refresh`: measure the default-matmul row count again instead of reading its cache."""
     with (agreement(model), packed_linears(model, config.packed_linear) as packed,
           tree_attention(model, config.attention) as tree, lean_layers(model, config.lean_layers) as lean):
-        linear = f"{packed} linear layers prepacked (oneDNN)" if packed else "PyTorch's default linear layers"
+        linear = "PyTorch's default linear layers"
+        if packed:
+            rows = config.default_matmul_rows
+            rows = default_rows_for(model, refresh=refresh) if rows is None else rows
+            set_default_rows(model, rows)
+            linear = f"{packed} linear layers prepacked (oneDNN)" + (
+                f", products of up to {rows} rows on PyTorch's default matmul" if rows else "")
         attention = "lookahead_tree attention" if tree else f"{model.config._attn_implementation} attention"
         yield f"{linear}, {attention}" + (f", {lean} lean decoder layers" if lean else "")
 

@@ -11,6 +11,12 @@ larger products keep both cores busy (`benchmarks/bench_step.py` measures all of
 `nn.Linear` modules back afterwards; the packed weights are built once per model and kept on it. A packed weight
 whose source parameter changed in place (or was replaced) is re-packed before use, so stale weights are never
 used. Only fp32 `nn.Linear` layers on the CPU are packed, when PyTorch has oneDNN; everything else is left as is.
+
+Which kernel is faster for very few rows depends on the CPU: on an AMD EPYC oneDNN's packed product beat PyTorch's
+default matmul at every row count, on an Intel Xeon with AVX-512 the default matmul (MKL) computes 1–3 rows ~15%
+faster (20.4 vs 24.8 ms for one row of the default model's products) and loses from 4 rows on. So products of at
+most `default_rows` rows (`set_default_rows`, measured per machine by `calibration.default_rows_for`) run the
+model's own weights through PyTorch's default matmul, exactly as the model's own linear layers compute them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 _CACHE_ATTR = "_lookahead_packed_linears"
@@ -51,6 +58,30 @@ def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[int]:
         for parent, name, packed in swaps:
             setattr(parent, name, packed.linear)
         model._lookahead_packed_on = False
+        set_default_rows(model, 0)
+
+
+def set_default_rows(model: nn.Module, rows: int) -> None:
+    """Products of at most `rows` rows of `model`'s packed linear layers run PyTorch's default matmul on the
+    layers' own weights (0: every product on the packed weights); recorded as `model._lookahead_default_rows`
+    (the cost curve's cache key reads it). Raises `ValueError` for a negative count."""
+    if rows < 0:
+        raise ValueError(f"default-matmul rows must be >= 0, got {rows}")
+    for packed in packed_weights(model):
+        packed.default_rows = rows
+    model._lookahead_default_rows = rows
+
+
+def packed_weights(model: nn.Module) -> list["_PackedWeights"]:
+    """Every distinct packed weight of `model` (one per packed layer or fused group), built if needed; empty
+    when nothing is packable or oneDNN is missing."""
+    if not torch.backends.mkldnn.is_available():
+        return []
+    found: dict[int, _PackedWeights] = {}
+    for _, _, module in _packed_modules(model):
+        packed = module.group.packed if isinstance(module, FusedMember) else module.packed
+        found.setdefault(id(packed), packed)
+    return list(found.values())
 
 
 def _packable(module: nn.Module) -> bool:
@@ -99,6 +130,7 @@ class _PackedWeights:
         self.linears = linears
         self.stamp = None
         self.weight = self.bias = None
+        self.default_rows = 0  # products of at most this many rows use the linears' own weights
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(packed weight, bias or None), fresh for the current parameters."""
@@ -126,9 +158,24 @@ def _stamp(linears: list[nn.Linear]) -> list[int]:
 
 
 def _linear(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
-    """x [..., K] → [..., N] with the packed weight."""
+    """x [..., K] → [..., N] with the packed weight, or for at most `packed.default_rows` rows with PyTorch's
+    default matmul (`default_product`)."""
+    if x.numel() <= packed.default_rows * x.shape[-1]:
+        return default_product(x, packed)
+    return packed_product(x, packed)
+
+
+def packed_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
+    """x [..., K] → [..., N] on the packed weight (oneDNN)."""
     weight, bias = packed.get()
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def default_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
+    """x [..., K] → [..., N]: each source linear's own weight through PyTorch's default matmul (the very call
+    `nn.Linear` makes), outputs side by side as the packed weight stacks them."""
+    outputs = [F.linear(x, linear.weight, linear.bias) for linear in packed.linears]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 
 class PackedLinear(nn.Module):

@@ -29,6 +29,9 @@ def tiny_model():
 # like the goal on a CPU: 8 rows ~1.2x, 16 rows ~1.4x a one-row step). Tests of the measurement itself call
 # `lookahead.calibration` functions directly.
 INJECTED_CURVE = CostCurve(CURVE_SIZES, (1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.7, 2.0, 2.6, 3.2), 0.05)
+# ... and products of one or two rows run PyTorch's default matmul, larger ones the packed weights (the choice
+# measured on an Intel AVX-512 machine was 3), so both kernels compute in every generation that speculates.
+INJECTED_DEFAULT_ROWS = 2
 
 
 @pytest.fixture(autouse=True)
@@ -36,4 +39,5 @@ def injected_cost_curve(monkeypatch):
     """Every `Lookahead` call in a test plans on INJECTED_CURVE (for any batch size)."""
     monkeypatch.setattr(hf, "cost_curve_for", lambda model, refresh=False, quiet=False, batch=1:
                         replace(INJECTED_CURVE, batch=batch))
+    monkeypatch.setattr(hf, "default_rows_for", lambda model, refresh=False, quiet=False: INJECTED_DEFAULT_ROWS)
     return INJECTED_CURVE
