@@ -1,6 +1,6 @@
 """Where a verification step's time goes: one forward of k = 1, 2, 4, 8, 16 rows, broken down by part.
 
-    python benchmarks/bench_step.py [--model PATH] [--rows 1 2 4 8 16] [--prefix 300] [--repeats 7]
+    python benchmarks/bench_step.py [--model PATH] [--rows 1 2 4 8 16] [--prefix 300] [--repeats 7] [--default-rows N]
         [--variants default packed lean packed-sdpa packed-unfused] [--threads 2] [--out FILE.json] [--plot]
 
 For each arithmetic (`default`: PyTorch's own `nn.Linear` and transformers' SDPA attention, i.e. plain HF;
@@ -51,8 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     """Measure every variant and row count; print the table, write JSON (and a plot)."""
     args = parse_args(argv)
     model, _ = load_target(args)
+    if args.default_rows is None:
+        args.default_rows = measured_default_rows(model)
     result = {"command": command_line(), "machine": machine_info(args.threads), "cpu_flags": cpu_flags(),
-              "prefix": args.prefix, "rows": args.rows, "variants": measure(model, args)}
+              "prefix": args.prefix, "default_rows": args.default_rows, "rows": args.rows,
+              "variants": measure(model, args)}
     print(format_table(result))
     if args.out:
         write_json(result, args.out)
@@ -74,7 +77,7 @@ def measure(model, args) -> dict:
     for round_ in range(args.repeats + 1):
         print(f"round {round_} of {args.repeats} ...", file=sys.stderr)
         for variant in args.variants:
-            with linear_variant(model, variant, packed_sets):
+            with linear_variant(model, variant, packed_sets, args.default_rows):
                 timer = PartTimer(model, cache) if variant != "lean" else None  # lean layers call no modules
                 for k in args.rows:
                     plain = one_step(model, cache, args.prefix, k, vocab, None)
@@ -88,14 +91,25 @@ def measure(model, args) -> dict:
             for v, by_rows in samples.items()}
 
 
+def measured_default_rows(model) -> int:
+    """The row count up to which generation computes products with PyTorch's default matmul on this machine
+    (`calibration.default_rows_for`: cached, else measured)."""
+    from lookahead import packed_linear
+    from lookahead.calibration import default_rows_for
+
+    with packed_linear.packed_linears(model):
+        return default_rows_for(model)
+
+
 def quartile(values: list[float]) -> float:
     """The lower quartile: machine noise only ever adds time."""
     return float(sorted(values)[(len(values) - 1) // 4])
 
 
 @contextlib.contextmanager
-def linear_variant(model, variant: str, packed_sets: dict):
-    """The model's linear layers and attention as `variant` within the block."""
+def linear_variant(model, variant: str, packed_sets: dict, default_rows: int = 0):
+    """The model's linear layers and attention as `variant` within the block; the prepacked variants compute
+    products of at most `default_rows` rows with PyTorch's default matmul."""
     from lookahead import packed_linear
     from lookahead.attention import tree_attention
     from lookahead.lean_layers import lean_layers
@@ -114,6 +128,7 @@ def linear_variant(model, variant: str, packed_sets: dict):
     try:
         with (packed_linear.packed_linears(model), tree_attention(model, attention),
               lean_layers(model, variant == "lean")):
+            packed_linear.set_default_rows(model, default_rows)
             yield
     finally:
         packed_linear.FUSED_GROUPS = saved
@@ -200,7 +215,9 @@ def format_table(result: dict) -> str:
     """Markdown: per variant, the forward in ms and as a ratio of that variant's one-row forward, then the parts."""
     rows = result["rows"]
     lines = [f"CPU flags: {' '.join(result['cpu_flags']) or 'unknown'}; {result['machine']['cpu']}, "
-             f"{result['machine']['threads']} threads; cache of {result['prefix']} tokens", "",
+             f"{result['machine']['threads']} threads; cache of {result['prefix']} tokens; "
+             f"prepacked variants: products of up to {result.get('default_rows', 0)} rows on PyTorch's default "
+             "matmul", "",
              "| variant | part | " + " | ".join(f"k={k}" for k in rows) + " |",
              "|---|---|" + "---:|" * len(rows)]
     base = result["variants"].get("default", {}).get(rows[0], {}).get("forward")
@@ -262,6 +279,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefix", type=int, default=300, help="cached tokens before the step")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--plot", action="store_true", help="write a PNG beside --out")
+    parser.add_argument("--default-rows", type=int, default=None,
+                        help="products of at most this many rows on PyTorch's default matmul in the prepacked "
+                             "variants (default: as generation chooses, measured on this machine)")
     args = parser.parse_args(argv)
     if args.rows[0] != 1 or any(k < 1 for k in args.rows):
         parser.error("--rows must start with 1 (the reference) and be positive")

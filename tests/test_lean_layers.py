@@ -15,7 +15,7 @@ from lookahead.cache import make_compactable
 from lookahead.layout import pack
 from lookahead import lean_layers as lean
 from lookahead.lean_layers import LeanForward, LeanNorm, lean_layers
-from lookahead.packed_linear import packed_linears
+from lookahead.packed_linear import packed_linears, set_default_rows
 from lookahead.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
@@ -50,11 +50,13 @@ def _forwards(model, prompt: torch.Tensor) -> list[torch.Tensor]:
     return outs
 
 
+@pytest.mark.parametrize("default_rows", [0, 2], ids=["packed", "one-row-default-matmul"])
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_lean_layers_give_bit_identical_logits(name):
+def test_lean_layers_give_bit_identical_logits(name, default_rows):
     model = _model(name)
     prompt = repetitive_prompt(1, length=30)
     with torch.no_grad(), packed_linears(model), tree_attention(model):
+        set_default_rows(model, default_rows)  # the one-row step on PyTorch's default matmul, the others packed
         own = _forwards(model, prompt)
         with lean_layers(model) as installed:
             assert installed == 3

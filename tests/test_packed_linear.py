@@ -10,7 +10,8 @@ from torch import nn
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from lookahead import Lookahead, LookaheadConfig
-from lookahead.packed_linear import FusedGroup, FusedMember, PackedLinear, packed_linears, packing_available
+from lookahead.packed_linear import (FusedGroup, FusedMember, PackedLinear, packed_linears, packed_weights,
+                                     packing_available, set_default_rows)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
@@ -51,6 +52,54 @@ def test_fused_siblings_give_each_linear_its_own_output_in_any_call_order():
     torch.testing.assert_close(members[1](y), linears[1](y), rtol=1e-5, atol=1e-5)  # another input: recomputed
     x.add_(1.0)  # the same tensor changed in place: recomputed
     torch.testing.assert_close(members[2](x), linears[2](x), rtol=1e-5, atol=1e-5)
+
+
+def _poison(packed) -> None:
+    """Make a `_PackedWeights` hand out a zero weight (so any product taken on it shows)."""
+    weight, _ = packed.get()
+    packed.weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(weight.shape[0], packed.linears[0].in_features),
+                                                            None)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_of_few_rows_take_the_default_matmul_and_larger_ones_the_packed_weight(bias):
+    torch.manual_seed(3)
+    linear = nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear(linear)
+    packed.packed.default_rows = 2
+    _poison(packed.packed)
+    for rows in (1, 2):
+        x = torch.randn(rows, 48)
+        assert torch.equal(packed(x), linear(x))  # the very call nn.Linear makes: equal, not merely close
+        assert torch.equal(packed(x.view(1, rows, 48)), linear(x.view(1, rows, 48)))
+    x = torch.randn(3, 48)
+    expected = linear.bias.expand(3, 80) if bias else torch.zeros(3, 80)
+    assert torch.equal(packed(x), expected)  # 3 rows: the (poisoned) packed weight
+    assert torch.equal(packed(torch.randn(2, 2, 48)), (expected[:1] if bias else torch.zeros(1, 80)).expand(2, 2, 80))
+
+
+def test_fused_siblings_with_the_default_matmul_give_each_linear_its_own_output():
+    torch.manual_seed(1)
+    linears = [nn.Linear(32, n, bias=True) for n in (32, 16, 16)]
+    group = FusedGroup(linears)
+    group.packed.default_rows = 1
+    _poison(group.packed)
+    members = [FusedMember(group, i) for i in range(3)]
+    x = torch.randn(1, 1, 32)
+    for i in (2, 0, 1):
+        assert torch.equal(members[i](x), linears[i](x))
+
+
+def test_set_default_rows_reaches_every_packed_weight_and_the_swap_resets_it():
+    model = build_tiny_model("llama", dtype=torch.float32)
+    with packed_linears(model):
+        weights = packed_weights(model)
+        assert len(weights) == 4 * 2 + 1  # q/k/v, o, gate/up, down in each of 2 layers + the LM head
+        set_default_rows(model, 3)
+        assert {w.default_rows for w in weights} == {3} and model._lookahead_default_rows == 3
+        with pytest.raises(ValueError, match="default-matmul rows"):
+            set_default_rows(model, -1)
+    assert {w.default_rows for w in weights} == {0} and model._lookahead_default_rows == 0
 
 
 def test_the_swap_is_undone_and_leaves_parameters_alone():
