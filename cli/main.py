@@ -29,8 +29,8 @@ def main() -> None:
 @click.option("--mode", type=click.Choice(["lookahead", "off"]), default="lookahead", show_default=True,
               help="`off` decodes one token per step through the same loop (no speculation).")
 @click.option("--stats", is_flag=True, help="Print tokens/s and tokens per step on stderr.")
-@click.option("--compare", is_flag=True, help="Also run plain HF greedy; print the speedup and whether "
-                                              "the outputs are identical.")
+@click.option("--compare", is_flag=True, help="Also run plain HF greedy and lookahead again, both warm; print "
+                                              "the speedup and whether the outputs are identical.")
 @click.option("--sample/--greedy", default=False, show_default=True, help="Sample instead of greedy decoding.")
 @click.option("--temperature", type=float, default=None, help="Sampling temperature (finite, >= 1e-5).")
 @click.option("--top-k", type=click.IntRange(min=0), default=None, help="Sample from the k likeliest tokens.")

@@ -45,7 +45,30 @@ def test_generate_reads_stdin_and_reports_stats_and_comparison(tiny_folder):
                   stdin="import numpy as np\n")
     assert result.exit_code == 0, result.output
     assert "tokens/step" in result.stderr and "tok/s" in result.stderr
-    assert "outputs identical: yes" in result.stderr
+    assert "outputs identical: yes" in result.stderr and "both timed warm" in result.stderr
+
+
+def test_compare_times_a_second_lookahead_run_with_fresh_drafters(tiny_folder, monkeypatch):
+    """The speedup compares warm runs: lookahead runs again after plain greedy, with a new `Lookahead` (a reused
+    one would draft from its recycling table of the first run's own output)."""
+    import functools
+
+    from lookahead import hf
+
+    decoders = []
+    original = hf.Lookahead.__call__
+
+    @functools.wraps(original)  # generate reads the callable's parameters (lookahead_streamer)
+    def spy(self, *args, **kwargs):
+        decoders.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(hf.Lookahead, "__call__", spy)
+    folder, _, _ = tiny_folder
+    result = _run("def f(x):", "--model", str(folder), "--max-new-tokens", "12", "--compare")
+    assert result.exit_code == 0, result.output
+    assert len(decoders) == 2 and decoders[0] is not decoders[1]
+    assert decoders[0].recycle_table is not decoders[1].recycle_table
 
 
 def test_mode_off_gives_the_same_text(tiny_folder):
