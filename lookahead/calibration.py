@@ -21,6 +21,7 @@ CURVE_QUANTILE = 0.25  # a low quantile of repeated timings: machine noise only 
 CURVE_VERSION = 2  # bump when the measurement changes: older cached curves are not reused
 MAX_DEFAULT_ROWS = 4  # the default matmul is tried for products of 1..this many rows
 DEFAULT_ROWS_MARGIN = 0.95  # ... and taken where it needs at most this share of the packed products' time
+DEFAULT_ROWS_BUDGET = 3.0  # seconds the timed rounds of that measurement may take (at least 2 rounds)
 
 
 def curve_key(model, batch: int = 1) -> str:
@@ -217,31 +218,44 @@ def _read_rows(path) -> int | None:
 
 
 @torch.no_grad()
-def measure_default_rows(model, max_rows: int = MAX_DEFAULT_ROWS, repeats: int = 7) -> int:
+def measure_default_rows(model, max_rows: int = MAX_DEFAULT_ROWS, repeats: int = 7,
+                         budget_seconds: float = DEFAULT_ROWS_BUDGET) -> int:
     """The largest r <= max_rows such that, for every row count up to r, all of the model's packed products
     together run clearly faster (by DEFAULT_ROWS_MARGIN) with PyTorch's default matmul than on the packed
     weights; 0 when packing wins at one row (or nothing is packed). Kernels and row counts interleaved, a low
-    quantile of `repeats` timings each."""
-    from .packed_linear import default_product, packed_product, packed_weights
+    quantile of up to `repeats` rounds each: fewer (at least 2) when the warm-up round shows that `repeats` would
+    take longer than `budget_seconds` (a large model streams gigabytes per round)."""
+    from .packed_linear import packed_weights
 
     weights = packed_weights(model)
     if not weights:
         return 0
-    kernels = (default_product, packed_product)
-    times = {(r, kernel): [] for r in range(1, max_rows + 1) for kernel in kernels}
-    for round_ in range(repeats + 1):  # the first round warms up
-        for r in range(1, max_rows + 1):
-            inputs = [torch.randn(r, w.linears[0].in_features, dtype=torch.float32) for w in weights]
-            for kernel in kernels:
-                start = time.perf_counter()
-                for x, packed in zip(inputs, weights):
-                    kernel(x, packed)
-                if round_:
-                    times[r, kernel].append(time.perf_counter() - start)
+    times = {(r, kernel): [] for r in range(1, max_rows + 1) for kernel in ("default", "packed")}
+    start = time.perf_counter()
+    _time_kernels(weights, max_rows, times)  # warm-up: packs the weights, first calls of each shape
+    rounds = max(2, min(repeats, int(budget_seconds / max(time.perf_counter() - start, 1e-9))))
+    for key in times:
+        times[key].clear()
+    for _ in range(rounds):
+        _time_kernels(weights, max_rows, times)
     best = 0
     for r in range(1, max_rows + 1):
-        default, packed = (float(np.quantile(times[r, k], CURVE_QUANTILE)) for k in kernels)
+        default, packed = (float(np.quantile(times[r, k], CURVE_QUANTILE)) for k in ("default", "packed"))
         if default > DEFAULT_ROWS_MARGIN * packed:
             break
         best = r
     return best
+
+
+def _time_kernels(weights, max_rows: int, times: dict) -> None:
+    """One round: for r = 1..max_rows, every packed weight's product of r random rows on each kernel; appends the
+    seconds of each (r, kernel) pass to `times`."""
+    from .packed_linear import default_product, packed_product
+
+    for r in range(1, max_rows + 1):
+        inputs = [torch.randn(r, w.linears[0].in_features, dtype=torch.float32) for w in weights]
+        for name, kernel in (("default", default_product), ("packed", packed_product)):
+            start = time.perf_counter()
+            for x, packed in zip(inputs, weights):
+                kernel(x, packed)
+            times[r, name].append(time.perf_counter() - start)

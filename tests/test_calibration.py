@@ -180,3 +180,19 @@ def test_default_rows_for_caches_on_disk_and_in_memory_and_keys_the_curve(tmp_pa
         set_default_rows(model, 3)
         keys.add(curve_key(model))
     assert len(keys) == 2  # a curve measured with the default matmul for a few rows is cached apart
+
+
+def test_measure_default_rows_times_fewer_rounds_for_a_model_that_streams_slowly(monkeypatch):
+    from lookahead import packed_linear
+    from lookahead.packed_linear import packed_linears
+
+    clock = _FakeClock(lambda r: 900.0)  # a pass over the weights takes ~1 s: a round ~7 s
+    default_product, packed_product = clock.kernels()
+    calls = []
+    monkeypatch.setattr(packed_linear, "default_product", lambda x, p: calls.append(1) or default_product(x, p))
+    monkeypatch.setattr(packed_linear, "packed_product", packed_product)
+    monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    model = build_tiny_model("llama", dtype=torch.float32)
+    with packed_linears(model):
+        assert measure_default_rows(model, max_rows=4, repeats=7, budget_seconds=3.0) == 0
+    assert len(calls) == (1 + 2) * 4 * 9  # the warm-up and the minimum of 2 timed rounds, not 7
