@@ -188,7 +188,7 @@ def _time_rows(model, cache, prefix_len: int, rows: int, vocab: int) -> float:
 def default_rows_for(model, refresh: bool = False, quiet: bool = False) -> int:
     """Up to how many rows the model's packed linear layers should compute with PyTorch's default matmul
     (`packed_linear.set_default_rows`): from memory or the disk cache, else measured (`measure_default_rows`,
-    ~2 s) and cached. Call with the packed layers in place. Tensor-parallel ranks take rank 0's answer."""
+    ~3 s) and cached. Call with the packed layers in place. Tensor-parallel ranks take rank 0's answer."""
     key = _digest(_arithmetic_parts(model) + ["default-rows"])
     path = cache_dir() / "cost" / f"{key}-default-rows.json"
     found = _ROWS_MEMORY.get(key) if not refresh else None
