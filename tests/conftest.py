@@ -15,7 +15,7 @@ from tiny_models import build_tiny_model
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lookahead import hf  # noqa: E402  (after TRITON_INTERPRET: transformers imports triton)
+from lookahead import calibration, hf  # noqa: E402  (after TRITON_INTERPRET: transformers imports triton)
 from lookahead.cost_curve import CURVE_SIZES, CostCurve  # noqa: E402
 
 
@@ -36,8 +36,12 @@ INJECTED_DEFAULT_ROWS = 2
 
 @pytest.fixture(autouse=True)
 def injected_cost_curve(monkeypatch):
-    """Every `Lookahead` call in a test plans on INJECTED_CURVE (for any batch size)."""
-    monkeypatch.setattr(hf, "cost_curve_for", lambda model, refresh=False, quiet=False, batch=1:
-                        replace(INJECTED_CURVE, batch=batch))
-    monkeypatch.setattr(hf, "default_rows_for", lambda model, refresh=False, quiet=False: INJECTED_DEFAULT_ROWS)
+    """Every `Lookahead` call in a test plans on INJECTED_CURVE (for any batch size) with INJECTED_DEFAULT_ROWS, and
+    so does code that asks `lookahead.calibration` at call time (the benchmark scripts): nothing is measured on the
+    machine running the tests, or written into the user's cache (tests of the measurement restore the originals)."""
+    for module in (hf, calibration):
+        monkeypatch.setattr(module, "cost_curve_for", lambda model, refresh=False, quiet=False, batch=1:
+                            replace(INJECTED_CURVE, batch=batch))
+        monkeypatch.setattr(module, "default_rows_for", lambda model, refresh=False, quiet=False:
+                            INJECTED_DEFAULT_ROWS)
     return INJECTED_CURVE

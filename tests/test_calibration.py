@@ -54,6 +54,7 @@ def _use_tmp_cache(tmp_path, monkeypatch, measured):
     """Point the cache at tmp_path and make every measurement return the next of `measured` (recorded)."""
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration, "_MEMORY", {})
+    monkeypatch.setattr(calibration, "cost_curve_for", cost_curve_for)  # the real one (conftest injects a curve)
     calls = []
     results = iter(measured)
     monkeypatch.setattr(calibration, "measure_cost_curve",
