@@ -28,6 +28,7 @@ SIBLING_CAP = 0.99  # the children of one node together are accepted with probab
 # curve (bench_drafts, 6 prompts per category): 0.9 -> 0.95 gave 1.28x -> 1.32x modeled speed under seeded sampling,
 # where a shorter memory chases lucky streaks (the planner then verifies more than pays), and no loss greedy.
 DECAY = 0.95
+CLEARLY_BETTER = 1.02  # a plan with more rows must promise this factor more tokens per unit cost than a cheaper one
 
 
 class AcceptanceRates:
@@ -116,7 +117,7 @@ def best_row_count(scores: np.ndarray, window_rows: int, window_value: float, cu
             if rows == 1:
                 continue
             value = (gain[k] + bonus) / curve.ratio(rows)
-            if value > best[0] * 1.02:  # prefer the cheaper option unless clearly better
+            if value > best[0] * CLEARLY_BETTER:  # prefer the cheaper option unless clearly better
                 best = (value, k, use_window)
     return best[1], best[2]
 
@@ -132,7 +133,7 @@ def best_chain_length(rate, max_len: int, draft_cost: float, curve: CostCurve) -
     best_value, best_n = 1.0, 0
     for n in range(1, max_len + 1):
         value = gain[n - 1] / (curve.ratio(1 + n) + n * draft_cost)
-        if value > best_value * 1.02:
+        if value > best_value * CLEARLY_BETTER:
             best_value, best_n = value, n
     return best_n
 
@@ -226,7 +227,7 @@ def plan_batch(planners: list[StepPlanner], trees: list, curve: CostCurve | None
     best_value, best_k = float(batch), 0
     for k in range(1, max(len(s) for s in scores) + 1):
         value = (batch + sum(float(s[:k].sum()) for s in scores)) / (1.0 + (curve.ratio(1 + k) - 1.0) * scale)
-        if value > best_value * 1.02:  # prefer the cheaper option unless clearly better
+        if value > best_value * CLEARLY_BETTER:  # prefer the cheaper option unless clearly better
             best_value, best_k = value, k
     return [planner.rank(tree).prune(best_k) for planner, tree in zip(planners, trees)]
 
