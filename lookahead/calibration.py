@@ -25,24 +25,25 @@ DEFAULT_ROWS_BUDGET = 3.0  # seconds the timed rounds of that measurement may ta
 
 
 def curve_key(model, batch: int = 1) -> str:
-    """Cache key: model config, device, dtype, torch threads, torch version, batch size, the arithmetic in effect
-    (prepacked linear layers (`packed_linear`) and the row count up to which they use the default matmul, lean
-    decoder layers (`lean_layers`), the attention implementation), the device map of a model split by
-    `device_map` and the measurement version."""
-    parts = _arithmetic_parts(model) + [f"default_rows={getattr(model, '_lookahead_default_rows', 0)}"]
+    """Cache key: model config, device, dtype, torch threads, torch version, the device map of a model split by
+    `device_map`, the arithmetic in effect (prepacked linear layers (`packed_linear`) and the row count up to
+    which they use the default matmul, lean decoder layers (`lean_layers`), the attention implementation), the
+    measurement version and the batch size."""
+    packed = bool(getattr(model, "_lookahead_packed_on", False))
+    lean = bool(getattr(model, "_lookahead_lean_on", False))
+    attention = getattr(model.config, "_attn_implementation", None)
+    parts = _model_parts(model) + [f"packed={packed}", f"lean={lean}", f"attention={attention}", f"v{CURVE_VERSION}",
+                                   f"default_rows={getattr(model, '_lookahead_default_rows', 0)}"]
     parts += [f"batch={batch}"] if batch > 1 else []
     return _digest(parts)
 
 
-def _arithmetic_parts(model) -> list[str]:
-    """What a measured timing depends on, besides the batch size and the default-matmul rows."""
-    packed = bool(getattr(model, "_lookahead_packed_on", False))
-    lean = bool(getattr(model, "_lookahead_lean_on", False))
-    attention = getattr(model.config, "_attn_implementation", None)
-    placement = getattr(model, "hf_device_map", None)  # layers offloaded to disk cost differently
+def _model_parts(model) -> list[str]:
+    """What any timing of the model's products depends on: config, device, dtype, torch threads and version, and
+    the device map of a split model (layers offloaded to disk cost differently)."""
     parts = [model.config.to_json_string(use_diff=False), str(model.device), str(model.dtype),
-             str(torch.get_num_threads()), torch.__version__, f"packed={packed}", f"lean={lean}",
-             f"attention={attention}", f"v{CURVE_VERSION}"]
+             str(torch.get_num_threads()), torch.__version__]
+    placement = getattr(model, "hf_device_map", None)
     return parts + ([json.dumps(placement, sort_keys=True, default=str)] if placement else [])
 
 
@@ -188,8 +189,9 @@ def _time_rows(model, cache, prefix_len: int, rows: int, vocab: int) -> float:
 def default_rows_for(model, refresh: bool = False, quiet: bool = False) -> int:
     """Up to how many rows the model's packed linear layers should compute with PyTorch's default matmul
     (`packed_linear.set_default_rows`): from memory or the disk cache, else measured (`measure_default_rows`,
-    ~3 s) and cached. Call with the packed layers in place. Tensor-parallel ranks take rank 0's answer."""
-    key = _digest(_arithmetic_parts(model) + ["default-rows"])
+    ~3 s) and cached. Only the linear products are timed, so the answer is one per model and machine, whatever
+    the attention or decoder layers. Tensor-parallel ranks take rank 0's answer."""
+    key = _digest(_model_parts(model) + ["default-rows"])
     path = cache_dir() / "cost" / f"{key}-default-rows.json"
     found = _ROWS_MEMORY.get(key) if not refresh else None
     if found is None and not refresh and path.exists():

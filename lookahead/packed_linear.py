@@ -232,7 +232,8 @@ class FusedMember(nn.Module):
         self.in_features, self.out_features = self.linear.in_features, self.linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] → [..., out]."""
-        if x.dtype != torch.float32 or x.requires_grad:
+        """x [..., in] → [..., out]; a product of at most `default_rows` rows is this linear's own (the same
+        numbers as its slice of the group's stacked default product, without computing the siblings' into it)."""
+        if x.dtype != torch.float32 or x.requires_grad or x.numel() <= self.group.packed.default_rows * x.shape[-1]:
             return self.linear(x)
         return self.group.output(x, self.index)
