@@ -1,14 +1,17 @@
 """Where a verification step's time goes: one forward of k = 1, 2, 4, 8, 16 rows, broken down by part.
 
-    python benchmarks/bench_step.py [--model PATH] [--rows 1 2 4 8 16] [--prefix 300] [--repeats 7] [--default-rows N]
-        [--variants default packed lean packed-sdpa packed-unfused] [--threads 2] [--out FILE.json] [--plot]
+    python benchmarks/bench_step.py [--model PATH] [--rows 1 2 4 8 16] [--prefix 300] [--repeats 7]
+        [--default-rows N] [--streamed-rows N] [--variants default lean ...]
+        [--threads 2] [--out FILE.json] [--plot]
 
 For each arithmetic (`default`: PyTorch's own `nn.Linear` and transformers' SDPA attention, i.e. plain HF;
 `packed`: oneDNN-prepacked weights with q/k/v and gate/up fused and the `lookahead_tree` attention backend (grouped
 SDPA without copying key/value heads) in transformers' decoder layers; `lean`: what generation uses, `packed` with
-the lean decoder layers (`lean_layers.py`: the same numbers without the per-module overhead); `packed-sdpa`:
-prepacked and fused, with
-transformers' SDPA; `packed-unfused`: prepacked, every projection on its own, `lookahead_tree` attention) and each
+the lean decoder layers (`lean_layers.py`: the same numbers without the per-module overhead) and each row count's
+products on the kernel generation chooses (`row_kernels.py`); `lean-onednn`: `lean` without the streamed kernel
+(`streamed_gemm.py`): the default matmul where it beats oneDNN (measured in the run), oneDNN for the rest, as
+generation computed before the streamed kernel; `packed-sdpa`:
+prepacked and fused, with transformers' SDPA; `packed-unfused`: prepacked, every projection on its own, `lookahead_tree` attention) and each
 row count k, a real verification step is built (a draft tree of k nodes: root + a chain of k-1 drafts, packed with
 `layout.pack`, the model's forward with the 4D tree mask on a `--prefix`-token cache, then the cache compaction
 keeping half of the drafts). Parts:
@@ -18,7 +21,7 @@ keeping half of the drafts). Parts:
 - cache append: `DynamicCache.update` alone (part of attention);
 - other forward: embeddings, norms, residuals, activations and Python module overhead (forward minus the above);
 - mask building (`layout.pack`) and cache compaction (`cache.keep_rows`), outside the forward.
-The `lean` variant calls its products and attention without module calls, so only its forward, mask building and
+The lean variants call their products and attention without module calls, so only its forward, mask building and
 compaction are timed (the other parts show "–").
 
 The forward total ("forward") comes from runs without hooks; the parts from runs with hooks (which add a little
@@ -44,17 +47,20 @@ LINEAR_KINDS = {"q_proj": "attn q/k/v", "k_proj": "attn q/k/v", "v_proj": "attn 
                 "gate_up_proj": "mlp gate/up", "down_proj": "mlp down", "lm_head": "lm head"}
 PARTS = ("attn q/k/v", "attn o", "mlp gate/up", "mlp down", "lm head", "attention", "other forward",
          "mask building", "cache compaction")
-VARIANTS = ("default", "packed", "lean", "packed-sdpa", "packed-unfused")
+VARIANTS = ("default", "packed", "lean", "lean-onednn", "packed-sdpa", "packed-unfused")
+LEAN = ("lean", "lean-onednn")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Measure every variant and row count; print the table, write JSON (and a plot)."""
     args = parse_args(argv)
     model, _ = load_target(args)
-    if args.default_rows is None:
-        args.default_rows = measured_default_rows(model)
+    args.kernels = row_kernels(model, args.default_rows, args.streamed_rows)
+    args.onednn_kernels = onednn_row_kernels(model) if "lean-onednn" in args.variants else None
     result = {"command": command_line(), "machine": machine_info(args.threads), "cpu_flags": cpu_flags(),
-              "prefix": args.prefix, "default_rows": args.default_rows, "rows": args.rows,
+              "prefix": args.prefix, "default_rows": args.kernels.default_rows,
+              "streamed_rows": args.kernels.streamed_rows, "rows": args.rows,
+              "onednn_default_rows": args.onednn_kernels.default_rows if args.onednn_kernels else None,
               "variants": measure(model, args)}
     print(format_table(result))
     if args.out:
@@ -77,8 +83,9 @@ def measure(model, args) -> dict:
     for round_ in range(args.repeats + 1):
         print(f"round {round_} of {args.repeats} ...", file=sys.stderr)
         for variant in args.variants:
-            with linear_variant(model, variant, packed_sets, args.default_rows):
-                timer = PartTimer(model, cache) if variant != "lean" else None  # lean layers call no modules
+            kernels = args.onednn_kernels if variant == "lean-onednn" else args.kernels
+            with linear_variant(model, variant, packed_sets, kernels):
+                timer = PartTimer(model, cache) if variant not in LEAN else None  # lean layers call no modules
                 for k in args.rows:
                     plain = one_step(model, cache, args.prefix, k, vocab, None)
                     parts = one_step(model, cache, args.prefix, k, vocab, timer) if timer else dict(plain)
@@ -91,14 +98,16 @@ def measure(model, args) -> dict:
             for v, by_rows in samples.items()}
 
 
-def measured_default_rows(model) -> int:
-    """The row count up to which generation computes products with PyTorch's default matmul on this machine
-    (`calibration.default_rows_for`: cached, else measured)."""
+def row_kernels(model, default_rows: int | None, streamed_rows: int | None):
+    """The `RowKernels` of the prepacked variants: the given counts, generation's choice on this machine
+    (`row_kernels.row_kernels_for`: cached, else measured) for those not given."""
     from lookahead import packed_linear
-    from lookahead.calibration import default_rows_for
+    from lookahead.config import LookaheadConfig
+    from lookahead.hf import chosen_row_kernels
 
+    config = LookaheadConfig(default_matmul_rows=default_rows, streamed_matmul_rows=streamed_rows)
     with packed_linear.packed_linears(model):
-        return default_rows_for(model)
+        return chosen_row_kernels(model, config)
 
 
 def quartile(values: list[float]) -> float:
@@ -106,13 +115,24 @@ def quartile(values: list[float]) -> float:
     return float(sorted(values)[(len(values) - 1) // 4])
 
 
+def onednn_row_kernels(model):
+    """The `RowKernels` generation would choose without the streamed kernel (measured now, not cached): the
+    default matmul for the few rows where it beats oneDNN, oneDNN for the rest."""
+    from lookahead import packed_linear
+    from lookahead.row_kernels import measure_row_kernels
+
+    with packed_linear.packed_linears(model):
+        return measure_row_kernels(model, streamed=False)
+
+
 @contextlib.contextmanager
-def linear_variant(model, variant: str, packed_sets: dict, default_rows: int = 0):
-    """The model's linear layers and attention as `variant` within the block; the prepacked variants compute
-    products of at most `default_rows` rows with PyTorch's default matmul."""
+def linear_variant(model, variant: str, packed_sets: dict, kernels=None):
+    """The model's linear layers and attention as `variant` within the block; the prepacked variants compute each
+    row count's products on the kernel `kernels` (a `RowKernels`; None: all on oneDNN) names."""
     from lookahead import packed_linear
     from lookahead.attention import tree_attention
     from lookahead.lean_layers import lean_layers
+    from lookahead.row_kernels import RowKernels, apply_row_kernels
 
     if variant == "default":
         yield
@@ -127,8 +147,8 @@ def linear_variant(model, variant: str, packed_sets: dict, default_rows: int = 0
     attention = "sdpa" if variant == "packed-sdpa" else "auto"
     try:
         with (packed_linear.packed_linears(model), tree_attention(model, attention),
-              lean_layers(model, variant == "lean")):
-            packed_linear.set_default_rows(model, default_rows)
+              lean_layers(model, variant in LEAN)):
+            apply_row_kernels(model, kernels or RowKernels())
             yield
     finally:
         packed_linear.FUSED_GROUPS = saved
@@ -216,8 +236,7 @@ def format_table(result: dict) -> str:
     rows = result["rows"]
     lines = [f"CPU flags: {' '.join(result['cpu_flags']) or 'unknown'}; {result['machine']['cpu']}, "
              f"{result['machine']['threads']} threads; cache of {result['prefix']} tokens; "
-             f"prepacked variants: products of up to {result.get('default_rows', 0)} rows on PyTorch's default "
-             "matmul", "",
+             f"prepacked variants: {_kernels(result).describe()}" + _onednn_note(result), "",
              "| variant | part | " + " | ".join(f"k={k}" for k in rows) + " |",
              "|---|---|" + "---:|" * len(rows)]
     base = result["variants"].get("default", {}).get(rows[0], {}).get("forward")
@@ -235,6 +254,21 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _kernels(result: dict):
+    """The `RowKernels` a result was measured with."""
+    from lookahead.row_kernels import RowKernels
+
+    return RowKernels(result.get("default_rows", 0), result.get("streamed_rows", 0))
+
+
+def _onednn_note(result: dict) -> str:
+    """What the lean-onednn variant computed with, when it ran."""
+    from lookahead.row_kernels import RowKernels
+
+    rows = result.get("onednn_default_rows")
+    return "" if rows is None else f" (lean-onednn: {RowKernels(rows, 0).describe()})"
+
+
 def _ms(seconds: float | None) -> str:
     """A part's time in ms for the table; "–" for a part not measured (the lean layers have no part hooks)."""
     return "–" if seconds is None else f"{seconds * 1e3:.1f}"
@@ -249,14 +283,14 @@ def plot(result: dict, path: Path) -> None:
 
     variants, rows = list(result["variants"]), result["rows"]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows) * len(variants)), 4.5))
-    labels, x = [], 0
+    labels, x, unsplit_labelled = [], 0, False
     for variant in variants:
         for k in rows:
             parts, bottom = result["variants"][variant][k], 0.0
             if "attn q/k/v" not in parts:  # lean: the forward is not split into parts
                 bottom = parts["forward"] * 1e3
-                ax.bar(x, bottom, color="0.6", label="forward (not split)" if variant == "lean" and k == rows[0]
-                       else None)
+                ax.bar(x, bottom, color="0.6", label=None if unsplit_labelled else "forward (not split)")
+                unsplit_labelled = True
             for i, part in enumerate(PARTS):
                 height = parts.get(part, 0.0) * 1e3
                 ax.bar(x, height, bottom=bottom, color=plt.cm.tab10(i), label=part if x == 0 else None)
@@ -281,6 +315,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plot", action="store_true", help="write a PNG beside --out")
     parser.add_argument("--default-rows", type=int, default=None,
                         help="products of at most this many rows on PyTorch's default matmul in the prepacked "
+                             "variants (default: as generation chooses, measured on this machine)")
+    parser.add_argument("--streamed-rows", type=int, default=None,
+                        help="products of more rows, up to this many, on the streamed kernel in the prepacked "
                              "variants (default: as generation chooses, measured on this machine)")
     args = parser.parse_args(argv)
     if args.rows[0] != 1 or any(k < 1 for k in args.rows):

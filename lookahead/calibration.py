@@ -19,26 +19,24 @@ from .paths import cache_dir
 
 CURVE_QUANTILE = 0.25  # a low quantile of repeated timings: machine noise only ever adds time
 CURVE_VERSION = 2  # bump when the measurement changes: older cached curves are not reused
-MAX_DEFAULT_ROWS = 4  # the default matmul is tried for products of 1..this many rows
-DEFAULT_ROWS_MARGIN = 0.95  # ... and taken where it needs at most this share of the packed products' time
-DEFAULT_ROWS_BUDGET = 3.0  # seconds the timed rounds of that measurement may take (at least 2 rounds)
 
 
 def curve_key(model, batch: int = 1) -> str:
     """Cache key: model config, device, dtype, torch threads, torch version, the device map of a model split by
-    `device_map`, the arithmetic in effect (prepacked linear layers (`packed_linear`) and the row count up to
-    which they use the default matmul, lean decoder layers (`lean_layers`), the attention implementation), the
+    `device_map`, the arithmetic in effect (prepacked linear layers (`packed_linear`) and which kernel computes
+    products of how many rows (`row_kernels`), lean decoder layers (`lean_layers`), the attention implementation), the
     measurement version and the batch size."""
     packed = bool(getattr(model, "_lookahead_packed_on", False))
     lean = bool(getattr(model, "_lookahead_lean_on", False))
     attention = getattr(model.config, "_attn_implementation", None)
-    parts = _model_parts(model) + [f"packed={packed}", f"lean={lean}", f"attention={attention}", f"v{CURVE_VERSION}",
-                                   f"default_rows={getattr(model, '_lookahead_default_rows', 0)}"]
+    parts = model_parts(model) + [f"packed={packed}", f"lean={lean}", f"attention={attention}", f"v{CURVE_VERSION}",
+                                   f"default_rows={getattr(model, '_lookahead_default_rows', 0)}",
+                                   f"streamed_rows={getattr(model, '_lookahead_streamed_rows', 0)}"]
     parts += [f"batch={batch}"] if batch > 1 else []
-    return _digest(parts)
+    return digest(parts)
 
 
-def _model_parts(model) -> list[str]:
+def model_parts(model) -> list[str]:
     """What any timing of the model's products depends on: config, device, dtype, torch threads and version, and
     the device map of a split model (layers offloaded to disk cost differently)."""
     parts = [model.config.to_json_string(use_diff=False), str(model.device), str(model.dtype),
@@ -47,7 +45,7 @@ def _model_parts(model) -> list[str]:
     return parts + ([json.dumps(placement, sort_keys=True, default=str)] if placement else [])
 
 
-def _digest(parts: list[str]) -> str:
+def digest(parts: list[str]) -> str:
     """A short hex digest of `parts`."""
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
@@ -66,7 +64,7 @@ def cost_curve_for(model, refresh: bool = False, quiet: bool = False, batch: int
     found = leader_value(found)
     if found is None:
         what = "" if batch == 1 else f" at batch size {batch}"
-        _say(quiet, f"lookahead: measuring this model's verification cost curve{what} (cached in {path.parent})")
+        say(quiet, f"lookahead: measuring this model's verification cost curve{what} (cached in {path.parent})")
         found = robust_cost_curve(model, batch, quiet)
         if is_leader():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,7 +82,7 @@ def _remembered(key: str, path, quiet: bool) -> CostCurve | None:
     reason = _cached_problem(path)
     if reason is None:
         return CostCurve.from_json(path.read_text())
-    _say(quiet, f"lookahead: the cached cost curve {path.name} is unusable ({reason}); measuring again")
+    say(quiet, f"lookahead: the cached cost curve {path.name} is unusable ({reason}); measuring again")
     return None
 
 
@@ -99,8 +97,8 @@ def robust_cost_curve(model, batch: int = 1, quiet: bool = True, attempts: int =
         reason = implausible(curve)
         if reason is None:
             return curve
-        _say(quiet, f"lookahead: implausible cost measurement ({reason}; is the machine busy?)")
-    _say(quiet, "lookahead: using a conservative default cost curve; run `lookahead calibrate --refresh` on a "
+        say(quiet, f"lookahead: implausible cost measurement ({reason}; is the machine busy?)")
+    say(quiet, "lookahead: using a conservative default cost curve; run `lookahead calibrate --refresh` on a "
                 "quiet machine")
     return conservative_curve(curve.base_seconds, batch)
 
@@ -114,7 +112,7 @@ def _cached_problem(path) -> str | None:
     return None if curve.source == "default" else implausible(curve)
 
 
-def _say(quiet: bool, message: str) -> None:
+def say(quiet: bool, message: str) -> None:
     """Print a one-line notice on stderr unless quiet."""
     if not quiet:
         print(message, file=sys.stderr)
@@ -184,80 +182,3 @@ def _time_rows(model, cache, prefix_len: int, rows: int, vocab: int) -> float:
     elapsed = time.perf_counter() - start
     cache.crop(-rows)
     return elapsed
-
-
-def default_rows_for(model, refresh: bool = False, quiet: bool = False) -> int:
-    """Up to how many rows the model's packed linear layers should compute with PyTorch's default matmul
-    (`packed_linear.set_default_rows`): from memory or the disk cache, else measured (`measure_default_rows`,
-    ~3 s) and cached. Only the linear products are timed, so the answer is one per model and machine, whatever
-    the attention or decoder layers. Tensor-parallel ranks take rank 0's answer."""
-    key = _digest(_model_parts(model) + ["default-rows"])
-    path = cache_dir() / "cost" / f"{key}-default-rows.json"
-    found = _ROWS_MEMORY.get(key) if not refresh else None
-    if found is None and not refresh and path.exists():
-        found = _read_rows(path)
-    if found is None:
-        _say(quiet or not is_leader(), "lookahead: measuring which matmul is faster for a few rows")
-        found = measure_default_rows(model)
-        if is_leader():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"default_rows": found}))
-    found = leader_value(found)
-    _ROWS_MEMORY[key] = found
-    return found
-
-
-_ROWS_MEMORY: dict[str, int] = {}
-
-
-def _read_rows(path) -> int | None:
-    """The row count cached in `path`, or None when the file is unreadable or out of range."""
-    try:
-        rows = json.loads(path.read_text())["default_rows"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return rows if isinstance(rows, int) and 0 <= rows <= MAX_DEFAULT_ROWS else None
-
-
-@torch.no_grad()
-def measure_default_rows(model, max_rows: int = MAX_DEFAULT_ROWS, repeats: int = 7,
-                         budget_seconds: float = DEFAULT_ROWS_BUDGET) -> int:
-    """The largest r <= max_rows such that, for every row count up to r, all of the model's packed products
-    together run clearly faster (by DEFAULT_ROWS_MARGIN) with PyTorch's default matmul than on the packed
-    weights; 0 when packing wins at one row (or nothing is packed). Kernels and row counts interleaved, a low
-    quantile of up to `repeats` rounds each: fewer (at least 2) when the warm-up round shows that `repeats` would
-    take longer than `budget_seconds` (a large model streams gigabytes per round)."""
-    from .packed_linear import packed_weights
-
-    weights = packed_weights(model)
-    if not weights:
-        return 0
-    times = {(r, kernel): [] for r in range(1, max_rows + 1) for kernel in ("default", "packed")}
-    start = time.perf_counter()
-    _time_kernels(weights, max_rows, times)  # warm-up: packs the weights, first calls of each shape
-    rounds = max(2, min(repeats, int(budget_seconds / max(time.perf_counter() - start, 1e-9))))
-    for key in times:
-        times[key].clear()
-    for _ in range(rounds):
-        _time_kernels(weights, max_rows, times)
-    best = 0
-    for r in range(1, max_rows + 1):
-        default, packed = (float(np.quantile(times[r, k], CURVE_QUANTILE)) for k in ("default", "packed"))
-        if default > DEFAULT_ROWS_MARGIN * packed:
-            break
-        best = r
-    return best
-
-
-def _time_kernels(weights, max_rows: int, times: dict) -> None:
-    """One round: for r = 1..max_rows, every packed weight's product of r random rows on each kernel; appends the
-    seconds of each (r, kernel) pass to `times`."""
-    from .packed_linear import default_product, packed_product
-
-    for r in range(1, max_rows + 1):
-        inputs = [torch.randn(r, w.linears[0].in_features, dtype=torch.float32) for w in weights]
-        for name, kernel in (("default", default_product), ("packed", packed_product)):
-            start = time.perf_counter()
-            for x, packed in zip(inputs, weights):
-                kernel(x, packed)
-            times[r, name].append(time.perf_counter() - start)

@@ -33,8 +33,10 @@ class LookaheadConfig:
     `packed_linear` (CPU, fp32): run the model's linear layers on oneDNN-prepacked weights during generation
     (`packed_linear.py`), which makes a forward of several rows nearly as cheap as one row; speculative and
     plain steps (`off()`) then use the same arithmetic. Products of at most `default_matmul_rows` rows run PyTorch's
-    default matmul on the model's own weights instead (the faster kernel for a few rows on some CPUs); None
-    measures the row count on this machine once (cached beside the cost curve), 0 packs every product.
+    default matmul on the model's own weights instead (the faster kernel for a few rows on some CPUs), larger ones
+    up to `streamed_matmul_rows` rows the streamed kernel (`streamed_gemm.py`: the weights streamed once for up to
+    16 rows), larger ones oneDNN; None measures the count on this machine once (`row_kernels.py`, cached beside
+    the cost curve), 0 turns that kernel off.
     `lean_layers` (with `packed_linear`): Llama-style decoder layers (Llama, Qwen2, Mistral) run a forward without
     transformers' per-module overhead that computes bit-identical numbers (`lean_layers.py`).
     `attention`: "auto" attends with the `lookahead_tree` backend (`attention.py`) during generation when the
@@ -63,6 +65,7 @@ class LookaheadConfig:
     adaptive: bool = True
     packed_linear: bool = True
     default_matmul_rows: int | None = None
+    streamed_matmul_rows: int | None = None
     lean_layers: bool = True
     attention: str = "auto"
     seed: int | None = None
@@ -84,6 +87,8 @@ class LookaheadConfig:
         _check_range("tree_budget", self.tree_budget, 0, 1024)
         if self.default_matmul_rows is not None:
             _check_range("default_matmul_rows", self.default_matmul_rows, 0, 64)
+        if self.streamed_matmul_rows is not None:
+            _check_range("streamed_matmul_rows", self.streamed_matmul_rows, 0, 1024)
         if self.seed is not None:
             _check_range("seed", self.seed, 0, 2**63 - 1)
         if self.attention not in ATTENTION_CHOICES:

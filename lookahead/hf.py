@@ -21,7 +21,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .attention import tree_attention
 from .cache import make_compactable
-from .calibration import cost_curve_for, default_rows_for
+from .calibration import cost_curve_for
 from .compat import check_transformers
 from .config import LookaheadConfig
 from .cost_curve import CostCurve
@@ -29,9 +29,10 @@ from .decoder import Decoder
 from .distributed import agreement, leader_value
 from .draft_model import check_draft_model
 from .lean_layers import lean_layers
-from .packed_linear import packed_linears, set_default_rows
+from .packed_linear import packed_linears
 from .recycle import RecycleTable
 from .request import DecodeRequest
+from .row_kernels import RowKernels, apply_row_kernels, row_kernels_for
 from .stats import DecodeStats
 from .top_p import faster_warpers
 
@@ -128,22 +129,31 @@ class Lookahead:
 
 @contextlib.contextmanager
 def generation_arithmetic(model, config: LookaheadConfig, refresh: bool = False) -> Iterator[str]:
-    """Within the block the model computes as lookahead generation does (prepacked linear layers, with the
-    products of a few rows on PyTorch's default matmul where that is faster on this machine, the tree attention
-    backend, lean decoder layers, as `config` asks), for speculative and plain steps alike, and tensor-parallel
-    ranks take their timing-dependent decisions from rank 0 (`distributed.agreement`); yields a one-line
-    description. `refresh`: measure the default-matmul row count again instead of reading its cache."""
+    """Within the block the model computes as lookahead generation does (prepacked linear layers, each row count's
+    products on the kernel measured fastest on this machine (`row_kernels`), the tree attention backend, lean
+    decoder layers, as `config` asks), for speculative and plain steps alike, and tensor-parallel ranks take
+    their timing-dependent decisions from rank 0 (`distributed.agreement`); yields a one-line description.
+    `refresh`: measure the kernel choice again instead of reading its cache."""
     with (agreement(model), packed_linears(model, config.packed_linear) as packed,
           tree_attention(model, config.attention) as tree, lean_layers(model, config.lean_layers) as lean):
         linear = "PyTorch's default linear layers"
         if packed:
-            rows = config.default_matmul_rows
-            rows = default_rows_for(model, refresh=refresh) if rows is None else rows
-            set_default_rows(model, rows)
-            linear = f"{packed} linear layers prepacked (oneDNN)" + (
-                f", products of up to {rows} rows on PyTorch's default matmul" if rows else "")
+            kernels = chosen_row_kernels(model, config, refresh)
+            apply_row_kernels(model, kernels)
+            linear = f"{packed} linear layers prepacked: {kernels.describe()}"
         attention = "lookahead_tree attention" if tree else f"{model.config._attn_implementation} attention"
         yield f"{linear}, {attention}" + (f", {lean} lean decoder layers" if lean else "")
+
+
+def chosen_row_kernels(model, config: LookaheadConfig, refresh: bool = False) -> RowKernels:
+    """The row counts `config` pins (`default_matmul_rows`, `streamed_matmul_rows`), the measured ones
+    (`row_kernels_for`) for those it leaves to the machine."""
+    pinned = RowKernels(config.default_matmul_rows or 0, config.streamed_matmul_rows or 0)
+    if config.default_matmul_rows is not None and config.streamed_matmul_rows is not None:
+        return pinned
+    measured = row_kernels_for(model, refresh=refresh)
+    return RowKernels(measured.default_rows if config.default_matmul_rows is None else pinned.default_rows,
+                      measured.streamed_rows if config.streamed_matmul_rows is None else pinned.streamed_rows)
 
 
 def _pad_token(config: GenerationConfig) -> int | None:

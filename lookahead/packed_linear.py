@@ -1,4 +1,4 @@
-"""CPU linear layers with oneDNN-prepacked weights, so a forward of 2–16 rows costs about what one row costs.
+"""CPU linear layers on prepacked weights, so a forward of 2–16 rows costs about what one row costs.
 
 PyTorch's default fp32 CPU matmul re-packs the weight matrix on every call and picks a slower kernel for a few
 rows than for one, so on a bandwidth-bound decode step verifying k > 1 rows cost ~1.7x one row. Packing each
@@ -12,11 +12,12 @@ larger products keep both cores busy (`benchmarks/bench_step.py` measures all of
 whose source parameter changed in place (or was replaced) is re-packed before use, so stale weights are never
 used. Only fp32 `nn.Linear` layers on the CPU are packed, when PyTorch has oneDNN; everything else is left as is.
 
-Which kernel is faster for very few rows depends on the CPU: on an AMD EPYC oneDNN's packed product beat PyTorch's
-default matmul at every row count, on an Intel Xeon with AVX-512 the default matmul (MKL) computes 1–3 rows ~15%
-faster (20.4 vs 24.8 ms for one row of the default model's products) and loses from 4 rows on. So products of at
-most `default_rows` rows (`set_default_rows`, measured per machine by `calibration.default_rows_for`) run the
-model's own weights through PyTorch's default matmul, exactly as the model's own linear layers compute them.
+Which kernel is fastest for a product of k rows depends on the CPU, so each packed weight computes with one of
+three, by row count (`set_default_rows`, `set_streamed_rows`; measured per model and machine by
+`row_kernels.row_kernels_for`): up to `default_rows` rows PyTorch's default matmul on the model's own weights
+(exactly as the model's own linear layers compute them; MKL is quick for 1–3 rows on some Intel CPUs), up to
+`streamed_rows` rows the streamed kernel (`streamed_gemm`: the weights streamed once for up to 16 rows), larger
+products (a prompt's prefill) the oneDNN-packed weight. Each layout is built on first use.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import streamed_gemm
 
 _CACHE_ATTR = "_lookahead_packed_linears"
 # Sibling projections of one block that transformers' decoder layers call on the same input tensor.
@@ -59,6 +62,7 @@ def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[int]:
             setattr(parent, name, packed.linear)
         model._lookahead_packed_on = False
         set_default_rows(model, 0)
+        set_streamed_rows(model, 0)
 
 
 def set_default_rows(model: nn.Module, rows: int) -> None:
@@ -70,6 +74,20 @@ def set_default_rows(model: nn.Module, rows: int) -> None:
     for packed in packed_weights(model):
         packed.default_rows = rows
     model._lookahead_default_rows = rows
+
+
+def set_streamed_rows(model: nn.Module, rows: int) -> None:
+    """Products of more than the default-matmul rows and at most `rows` rows of `model`'s packed linear layers
+    run the streamed kernel (`streamed_gemm`; 0: none); recorded as `model._lookahead_streamed_rows` (the cost
+    curve's cache key reads it). Raises `ValueError` for a negative count, or a positive one when the kernel is
+    not available on this machine."""
+    if rows < 0:
+        raise ValueError(f"streamed-kernel rows must be >= 0, got {rows}")
+    if rows and not streamed_gemm.available():
+        raise ValueError("the streamed matmul kernel is not available on this machine (llvmlite or FMA missing)")
+    for packed in packed_weights(model):
+        packed.streamed_rows = rows
+    model._lookahead_streamed_rows = rows
 
 
 def packed_weights(model: nn.Module) -> list["_PackedWeights"]:
@@ -123,26 +141,45 @@ def _fusable(members: list[nn.Linear]) -> bool:
 
 
 class _PackedWeights:
-    """One prepacked weight built from one or more linears' weights (rows stacked), re-packed when any source
-    parameter changed in place or was replaced."""
+    """One weight built from one or more linears' weights (rows stacked), held in the layouts the products use:
+    oneDNN's prepacked layout and the streamed kernel's panels, each built on first use and rebuilt when any
+    source parameter changed in place or was replaced."""
 
     def __init__(self, linears: list[nn.Linear]):
         self.linears = linears
         self.stamp = None
-        self.weight = self.bias = None
+        self.weight = self.bias = self.panels = None
         self.default_rows = 0  # products of at most this many rows use the linears' own weights
+        self.streamed_rows = 0  # products of more rows, up to this many, use the streamed kernel
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(packed weight, bias or None), fresh for the current parameters."""
+        """(oneDNN-packed weight, bias or None), fresh for the current parameters."""
+        self._refresh()
+        if self.weight is None:
+            weight, self.bias = self._stacked()
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        return self.weight, self.bias
+
+    def streamed(self) -> streamed_gemm.StreamedWeight:
+        """The weight (and bias) in the streamed kernel's panel layout, fresh for the current parameters."""
+        self._refresh()
+        if self.panels is None:
+            self.panels = streamed_gemm.pack(*self._stacked())
+        return self.panels
+
+    def _refresh(self) -> None:
+        """Drop every layout built from parameters that have changed since."""
         stamp = _stamp(self.linears)
         if stamp != self.stamp:
-            with torch.no_grad():
-                weight = torch.cat([m.weight.detach() for m in self.linears]).contiguous()  # [N_total, K]
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-                has_bias = self.linears[0].bias is not None
-                self.bias = torch.cat([m.bias.detach() for m in self.linears]) if has_bias else None
+            self.weight = self.bias = self.panels = None
             self.stamp = stamp
-        return self.weight, self.bias
+
+    @torch.no_grad()
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The source weights stacked [N_total, K] (contiguous) and biases [N_total] or None."""
+        weight = torch.cat([m.weight.detach() for m in self.linears]).contiguous()
+        has_bias = self.linears[0].bias is not None
+        return weight, torch.cat([m.bias.detach() for m in self.linears]) if has_bias else None
 
 
 def _stamp(linears: list[nn.Linear]) -> list[int]:
@@ -158,11 +195,29 @@ def _stamp(linears: list[nn.Linear]) -> list[int]:
 
 
 def _linear(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
-    """x [..., K] → [..., N] with the packed weight, or for at most `packed.default_rows` rows with PyTorch's
-    default matmul (`default_product`)."""
-    if x.numel() <= packed.default_rows * x.shape[-1]:
+    """x [..., K] → [..., N]: for at most `packed.default_rows` rows with PyTorch's default matmul
+    (`default_product`), for at most `packed.streamed_rows` with the streamed kernel (`streamed_product`), else
+    on the oneDNN-packed weight (`packed_product`)."""
+    rows = x.numel() // x.shape[-1]
+    if rows <= packed.default_rows:
         return default_product(x, packed)
+    if rows <= packed.streamed_rows:
+        return streamed_product(x, packed)
     return packed_product(x, packed)
+
+
+def fast_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
+    """x [..., K] → [..., N] on the kernel `_linear` uses when PyTorch's default matmul is not chosen (what the
+    default matmul is measured against)."""
+    if x.numel() // x.shape[-1] <= packed.streamed_rows:
+        return streamed_product(x, packed)
+    return packed_product(x, packed)
+
+
+def streamed_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
+    """x [..., K] → [..., N] with the streamed kernel (`streamed_gemm`)."""
+    out = streamed_gemm.product(x.reshape(-1, x.shape[-1]), packed.streamed())
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def packed_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:

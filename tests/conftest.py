@@ -15,7 +15,8 @@ from tiny_models import build_tiny_model
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lookahead import calibration, hf  # noqa: E402  (after TRITON_INTERPRET: transformers imports triton)
+# noqa: E402 below: imported after TRITON_INTERPRET is set (transformers imports triton)
+from lookahead import calibration, hf, row_kernels, streamed_gemm  # noqa: E402
 from lookahead.cost_curve import CURVE_SIZES, CostCurve  # noqa: E402
 
 
@@ -29,19 +30,22 @@ def tiny_model():
 # like the goal on a CPU: 8 rows ~1.2x, 16 rows ~1.4x a one-row step). Tests of the measurement itself call
 # `lookahead.calibration` functions directly.
 INJECTED_CURVE = CostCurve(CURVE_SIZES, (1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.7, 2.0, 2.6, 3.2), 0.05)
-# ... and products of one or two rows run PyTorch's default matmul, larger ones the packed weights (the choice
-# measured on an Intel AVX-512 machine was 3), so both kernels compute in every generation that speculates.
-INJECTED_DEFAULT_ROWS = 2
+# ... and products of one or two rows run PyTorch's default matmul, 3–5 rows the streamed kernel, larger ones
+# oneDNN's packed weights, so every kernel computes in generations that speculate (a machine where the streamed
+# kernel cannot be built skips it; `test_streamed_gemm` fails there if the CPU has FMA).
+INJECTED_ROW_KERNELS = row_kernels.RowKernels(2, 5 if streamed_gemm.available() else 0)
 
 
 @pytest.fixture(autouse=True)
 def injected_cost_curve(monkeypatch):
-    """Every `Lookahead` call in a test plans on INJECTED_CURVE (for any batch size) with INJECTED_DEFAULT_ROWS, and
-    so does code that asks `lookahead.calibration` at call time (the benchmark scripts): nothing is measured on the
-    machine running the tests, or written into the user's cache (tests of the measurement restore the originals)."""
+    """Every `Lookahead` call in a test plans on INJECTED_CURVE (for any batch size) with INJECTED_ROW_KERNELS, and
+    so does code that asks `lookahead.calibration` or `lookahead.row_kernels` at call time (the benchmark scripts):
+    nothing is measured on the machine running the tests, or written into the user's cache (tests of the
+    measurement restore the originals)."""
     for module in (hf, calibration):
         monkeypatch.setattr(module, "cost_curve_for", lambda model, refresh=False, quiet=False, batch=1:
                             replace(INJECTED_CURVE, batch=batch))
-        monkeypatch.setattr(module, "default_rows_for", lambda model, refresh=False, quiet=False:
-                            INJECTED_DEFAULT_ROWS)
+    for module in (hf, row_kernels):
+        monkeypatch.setattr(module, "row_kernels_for", lambda model, refresh=False, quiet=False:
+                            INJECTED_ROW_KERNELS)
     return INJECTED_CURVE

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import types
-
-import pytest
 import torch
 from test_cost_curve import POISONED, REAL
 from tiny_models import build_tiny_model
 
 from lookahead import calibration
-from lookahead.calibration import cost_curve_for, curve_key, default_rows_for, measure_cost_curve, measure_default_rows
+from lookahead.calibration import cost_curve_for, curve_key, measure_cost_curve
 from lookahead.cost_curve import CURVE_SIZES, CostCurve, implausible
 
 FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.01, 1.02, 1.05, 1.1, 1.2), 0.05)
@@ -120,80 +117,3 @@ def test_a_model_split_by_device_map_has_its_own_curve(tiny_model):
     whole = curve_key(model)
     model.hf_device_map = {"model": "cpu", "lm_head": "disk"}
     assert curve_key(model) != whole
-
-
-class _FakeClock:
-    """A clock the fake kernels advance: the default matmul costs `default_ms(r)`, the packed one 2.5 ms."""
-
-    def __init__(self, default_ms):
-        self.now, self.default_ms = 0.0, default_ms
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def kernels(self):
-        def default_product(x, packed):
-            self.now += self.default_ms(x.shape[0]) / 1000 / 9  # 9 packed weights per pass in the tiny llama
-
-        def packed_product(x, packed):
-            self.now += 2.5 / 1000 / 9
-        return default_product, packed_product
-
-
-@pytest.mark.parametrize("default_ms, expected", [(lambda r: 1.0 * r, 2), (lambda r: 3.0, 0),
-                                                  (lambda r: 1.0, 4), (lambda r: 2.0 if r != 2 else 9.0, 1)])
-def test_measure_default_rows_takes_the_rows_where_the_default_matmul_is_clearly_faster(monkeypatch, default_ms,
-                                                                                           expected):
-    from lookahead import packed_linear
-    from lookahead.packed_linear import packed_linears
-
-    clock = _FakeClock(default_ms)
-    default_product, packed_product = clock.kernels()
-    monkeypatch.setattr(packed_linear, "default_product", default_product)
-    monkeypatch.setattr(packed_linear, "packed_product", packed_product)
-    monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
-    model = build_tiny_model("llama", dtype=torch.float32)
-    with packed_linears(model):
-        assert measure_default_rows(model, max_rows=4, repeats=2) == expected  # stops at the first row count lost
-    assert measure_default_rows(build_tiny_model("llama", dtype=torch.float64)) == 0  # nothing packable
-
-
-def test_default_rows_for_caches_on_disk_and_in_memory_and_keys_the_curve(tmp_path, monkeypatch):
-    from lookahead.packed_linear import packed_linears, set_default_rows
-
-    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
-    monkeypatch.setattr(calibration, "_ROWS_MEMORY", {})
-    calls = []
-    monkeypatch.setattr(calibration, "measure_default_rows", lambda model: calls.append(1) or 3)
-    model = build_tiny_model("llama", dtype=torch.float32)
-    with packed_linears(model):
-        assert default_rows_for(model, quiet=True) == 3 and len(calls) == 1
-        assert default_rows_for(model, quiet=True) == 3 and len(calls) == 1  # memory
-        monkeypatch.setattr(calibration, "_ROWS_MEMORY", {})
-        assert default_rows_for(model, quiet=True) == 3 and len(calls) == 1  # disk
-        assert default_rows_for(model, refresh=True, quiet=True) == 3 and len(calls) == 2
-        files = list((tmp_path / "cost").glob("*-default-rows.json"))
-        assert len(files) == 1
-        files[0].write_text('{"default_rows": -4}')  # out of range: measured again
-        monkeypatch.setattr(calibration, "_ROWS_MEMORY", {})
-        assert default_rows_for(model, quiet=True) == 3 and len(calls) == 3
-        keys = {curve_key(model)}
-        set_default_rows(model, 3)
-        keys.add(curve_key(model))
-    assert len(keys) == 2  # a curve measured with the default matmul for a few rows is cached apart
-
-
-def test_measure_default_rows_times_fewer_rounds_for_a_model_that_streams_slowly(monkeypatch):
-    from lookahead import packed_linear
-    from lookahead.packed_linear import packed_linears
-
-    clock = _FakeClock(lambda r: 900.0)  # a pass over the weights takes ~1 s: a round ~7 s
-    default_product, packed_product = clock.kernels()
-    calls = []
-    monkeypatch.setattr(packed_linear, "default_product", lambda x, p: calls.append(1) or default_product(x, p))
-    monkeypatch.setattr(packed_linear, "packed_product", packed_product)
-    monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
-    model = build_tiny_model("llama", dtype=torch.float32)
-    with packed_linears(model):
-        assert measure_default_rows(model, max_rows=4, repeats=7, budget_seconds=3.0) == 0
-    assert len(calls) == (1 + 2) * 4 * 9  # the warm-up and the minimum of 2 timed rounds, not 7

@@ -9,9 +9,9 @@ from tiny_models import build_tiny_model, repetitive_prompt
 from torch import nn
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from lookahead import Lookahead, LookaheadConfig
+from lookahead import Lookahead, LookaheadConfig, streamed_gemm
 from lookahead.packed_linear import (FusedGroup, FusedMember, PackedLinear, packed_linears, packed_weights,
-                                     packing_available, set_default_rows)
+                                     packing_available, set_default_rows, set_streamed_rows)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
@@ -90,6 +90,64 @@ def test_fused_siblings_with_the_default_matmul_give_each_linear_its_own_output(
         assert torch.equal(members[i](x), linears[i](x))
 
 
+needs_streamed = pytest.mark.skipif(not streamed_gemm.available(), reason="streamed kernel not built here")
+
+
+@needs_streamed
+@pytest.mark.parametrize("bias", [False, True])
+def test_each_row_count_takes_its_kernel(bias):
+    """1 row: the default matmul; 2–3 rows: the streamed kernel (its panels poisoned with ones); 4 rows: the
+    oneDNN weight (poisoned with zeros)."""
+    torch.manual_seed(4)
+    linear = nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear(linear)
+    packed.packed.default_rows, packed.packed.streamed_rows = 1, 3
+    _poison(packed.packed)
+    packed.packed.streamed()
+    packed.packed.panels = streamed_gemm.pack(torch.ones(80, 48), linear.bias)
+    x = torch.randn(1, 48)
+    assert torch.equal(packed(x), linear(x))
+    for rows in (2, 3):
+        x = torch.randn(1, rows, 48)
+        expected = x.sum(-1, keepdim=True).expand(1, rows, 80) + (linear.bias if bias else 0)
+        torch.testing.assert_close(packed(x), expected)
+    expected = linear.bias.expand(4, 80) if bias else torch.zeros(4, 80)
+    assert torch.equal(packed(torch.randn(4, 48)), expected)
+
+
+@needs_streamed
+def test_the_streamed_layout_follows_in_place_changes_and_fused_siblings_get_their_slices():
+    torch.manual_seed(5)
+    linears = [nn.Linear(32, n, bias=True) for n in (32, 16, 16)]
+    group = FusedGroup(linears)
+    group.packed.streamed_rows = 8
+    members = [FusedMember(group, i) for i in range(3)]
+    x = torch.randn(1, 5, 32)
+    for i in (1, 2, 0):
+        torch.testing.assert_close(members[i](x), linears[i](x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        linears[1].weight.mul_(-3.0)
+    x = torch.randn(1, 5, 32)
+    for i in (0, 1, 2):
+        torch.testing.assert_close(members[i](x), linears[i](x), rtol=1e-5, atol=1e-5)
+
+
+def test_set_streamed_rows_reaches_every_packed_weight_and_refuses_what_cannot_run(monkeypatch):
+    model = build_tiny_model("llama", dtype=torch.float32)
+    with packed_linears(model):
+        weights = packed_weights(model)
+        with pytest.raises(ValueError, match="streamed-kernel rows"):
+            set_streamed_rows(model, -1)
+        if streamed_gemm.available():
+            set_streamed_rows(model, 16)
+            assert {w.streamed_rows for w in weights} == {16} and model._lookahead_streamed_rows == 16
+        monkeypatch.setattr(streamed_gemm, "available", lambda: False)
+        with pytest.raises(ValueError, match="not available on this machine"):
+            set_streamed_rows(model, 4)
+        set_streamed_rows(model, 0)  # turning it off always works
+    assert {w.streamed_rows for w in weights} == {0} and model._lookahead_streamed_rows == 0
+
+
 def test_set_default_rows_reaches_every_packed_weight_and_the_swap_resets_it():
     model = build_tiny_model("llama", dtype=torch.float32)
     with packed_linears(model):
@@ -140,8 +198,15 @@ class _LinearTypes(LogitsProcessor):
         return scores
 
 
+STREAMED_ONLY = dict(default_matmul_rows=0, streamed_matmul_rows=16)  # every step's products on the streamed kernel
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma", "phi3"])
-@pytest.mark.parametrize("config", [LookaheadConfig(), LookaheadConfig.off()], ids=["speculate", "off"])
+@pytest.mark.parametrize("config", [
+    LookaheadConfig(), LookaheadConfig.off(),
+    pytest.param(LookaheadConfig(**STREAMED_ONLY), marks=needs_streamed),
+    pytest.param(LookaheadConfig.off().with_overrides(**STREAMED_ONLY), marks=needs_streamed)],
+    ids=["speculate", "off", "speculate-streamed", "off-streamed"])
 def test_greedy_through_packed_linears_is_plain_greedy(family, config):
     model = build_tiny_model(family, dtype=torch.float32, seed=3, layers=3)
     for seed in range(2):

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 import lookahead
 from lookahead import LookaheadConfig, hf
 from lookahead.cost_curve import CURVE_SIZES, CostCurve
+from lookahead.row_kernels import RowKernels
 
 CHEAP = CostCurve(CURVE_SIZES, (1.0, 1.01, 1.02, 1.03, 1.04, 1.05, 1.1, 1.2, 1.4, 1.6), 0.01)  # speculate wide
 DEAR = CostCurve(CURVE_SIZES, tuple(float(k) for k in CURVE_SIZES), 0.01)  # never worth a draft
@@ -29,7 +30,7 @@ def main(folder: str, out: str, prompts: list[list[int]], new_tokens: int) -> No
     rank = dist.get_rank()
     curve = CHEAP if rank == 0 else DEAR  # a rank that followed its own curve would verify other shapes
     hf.cost_curve_for = lambda model, refresh=False, quiet=False, batch=1: replace(curve, batch=batch)
-    hf.default_rows_for = lambda model, refresh=False, quiet=False: 1  # not measured: the same on every rank
+    hf.row_kernels_for = lambda model, refresh=False, quiet=False: RowKernels(1, 0)  # the same on every rank
     torch.manual_seed(100 + rank)  # unseeded sampling must still agree: rank 0's generator is adopted
     results = {"rank": rank, "runs": []}
     for ids in prompts:

@@ -1,0 +1,170 @@
+"""Which matmul computes a product of how many rows, measured per model and machine.
+
+Three kernels can compute the packed linear layers' products (`packed_linear`): PyTorch's default matmul on the
+model's own weights (MKL: quick for 1–3 rows on some Intel CPUs), the streamed kernel (`streamed_gemm`: the
+weights streamed once for up to 16 rows) and oneDNN's prepacked product (the fallback, and what large products
+such as a prompt's prefill use). Which is faster for k rows depends on the CPU, so it is measured: every packed
+weight's product of k random rows on each kernel, kernels and row counts interleaved, a low quantile per kernel.
+The answer is two row counts (`RowKernels`): up to `default_rows` rows the default matmul, up to `streamed_rows`
+the streamed kernel, above that oneDNN. It is cached in memory and on disk beside the cost curve, per model and
+machine (only the linear products are timed, so the attention and decoder-layer choices do not matter).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from .calibration import CURVE_QUANTILE, digest, model_parts, say
+from .distributed import is_leader, leader_value
+from .paths import cache_dir
+
+MAX_DEFAULT_ROWS = 4  # the default matmul is tried for products of 1..this many rows
+STREAMED_PROBES = (1, 2, 4, 8, 16, 24, 32)  # row counts the streamed kernel is timed at
+KERNEL_MARGIN = 0.95  # a kernel is taken where it needs at most this share of the other kernel's time
+MEASURE_BUDGET = 3.0  # seconds the timed rounds may take (at least 2 rounds)
+
+
+@dataclass(frozen=True)
+class RowKernels:
+    """Products of at most `default_rows` rows run PyTorch's default matmul, of at most `streamed_rows` rows the
+    streamed kernel, larger ones oneDNN's prepacked product."""
+
+    default_rows: int = 0
+    streamed_rows: int = 0
+
+    def describe(self) -> str:
+        """One line for the user: which kernel computes which row counts."""
+        parts = []
+        if self.default_rows:
+            parts.append(f"up to {self.default_rows} rows on PyTorch's default matmul")
+        if self.streamed_rows > self.default_rows:
+            first = self.default_rows + 1
+            span = f"{first}–{self.streamed_rows}" if self.streamed_rows > first else f"{first}"
+            parts.append(f"{span} rows on the streamed kernel")
+        return ", ".join(parts) if parts else "all products on oneDNN's packed weights"
+
+
+def apply_row_kernels(model, kernels: RowKernels) -> None:
+    """Set `kernels` on every packed linear layer of `model` (inside `packed_linear.packed_linears`). Raises
+    `ValueError` for negative counts or streamed rows where the streamed kernel is not available."""
+    from .packed_linear import set_default_rows, set_streamed_rows
+
+    set_default_rows(model, kernels.default_rows)
+    set_streamed_rows(model, kernels.streamed_rows)
+
+
+def row_kernels_for(model, refresh: bool = False, quiet: bool = False) -> RowKernels:
+    """The kernel choice for the model's packed linear layers on this machine: from memory or the disk cache,
+    else measured (`measure_row_kernels`, ~3 s, a notice on stderr) and cached. Tensor-parallel ranks take rank
+    0's answer."""
+    from . import streamed_gemm
+
+    key = digest(model_parts(model) + ["row-kernels", f"streamed={streamed_gemm.available()}"])
+    path = cache_dir() / "cost" / f"{key}-row-kernels.json"
+    found = _MEMORY.get(key) if not refresh else None
+    if found is None and not refresh and path.exists():
+        found = _read(path, streamed_gemm.available())
+    if found is None:
+        say(quiet or not is_leader(), "lookahead: measuring which matmul is fastest for a few rows")
+        found = measure_row_kernels(model)
+        if is_leader():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(asdict(found)))
+    found = leader_value(found)
+    _MEMORY[key] = found
+    return found
+
+
+_MEMORY: dict[str, RowKernels] = {}
+
+
+def _read(path, streamed: bool) -> RowKernels | None:
+    """The choice cached in `path`, or None when the file is unreadable, out of range, or names the streamed
+    kernel where it is not available."""
+    try:
+        data = json.loads(path.read_text())
+        found = RowKernels(data["default_rows"], data["streamed_rows"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    counts_ok = all(isinstance(n, int) for n in (found.default_rows, found.streamed_rows))
+    if not counts_ok or not 0 <= found.default_rows <= MAX_DEFAULT_ROWS:
+        return None
+    if not 0 <= found.streamed_rows <= (STREAMED_PROBES[-1] if streamed else 0):
+        return None
+    return found
+
+
+@torch.no_grad()
+def measure_row_kernels(model, repeats: int = 7, budget_seconds: float = MEASURE_BUDGET,
+                        streamed: bool | None = None) -> RowKernels:
+    """Time all of the model's packed products on each kernel: `streamed_rows` is the largest probe row count
+    such that at it and every smaller probe the streamed kernel needs at most KERNEL_MARGIN of oneDNN's time (0
+    when the kernel is not available here); `default_rows` the largest r <= MAX_DEFAULT_ROWS such that for every
+    row count up to r the default matmul needs at most KERNEL_MARGIN of the time of the kernel used otherwise.
+    Up to `repeats` timed rounds after a warm-up: fewer (at least 2) when the first shows that `repeats` would
+    take longer than `budget_seconds` (a large model streams gigabytes per round). `streamed=False` leaves the
+    streamed kernel out (None: in when available)."""
+    from . import streamed_gemm
+    from .packed_linear import packed_weights
+
+    weights = packed_weights(model)
+    if not weights:
+        return RowKernels()
+    plan = _plan(streamed_gemm.available() if streamed is None else streamed and streamed_gemm.available())
+    times = {entry: [] for entry in plan}
+    _time_round(weights, plan, {entry: [] for entry in plan})  # warm-up: builds the layouts, first calls
+    start = time.perf_counter()
+    _time_round(weights, plan, times)
+    rounds = max(2, min(repeats, int(budget_seconds / max(time.perf_counter() - start, 1e-9))))
+    for _ in range(rounds - 1):
+        _time_round(weights, plan, times)
+    low = {entry: float(np.quantile(seconds, CURVE_QUANTILE)) for entry, seconds in times.items()}
+    return _choose(low)
+
+
+def _plan(streamed: bool) -> list[tuple[int, str]]:
+    """(row count, kernel) pairs to time: the default matmul at 1..MAX_DEFAULT_ROWS rows, oneDNN and (when
+    available) the streamed kernel there and at every probe."""
+    rows = sorted(set(range(1, MAX_DEFAULT_ROWS + 1)) | (set(STREAMED_PROBES) if streamed else set()))
+    plan = [(r, "default") for r in range(1, MAX_DEFAULT_ROWS + 1)]
+    for name in ("packed", "streamed") if streamed else ("packed",):
+        plan += [(r, name) for r in rows]
+    return plan
+
+
+def _choose(low: dict[tuple[int, str], float]) -> RowKernels:
+    """The `RowKernels` the low-quantile seconds per (row count, kernel) imply (see `measure_row_kernels`)."""
+    streamed_rows = 0
+    if any(name == "streamed" for _, name in low):
+        for rows in STREAMED_PROBES:
+            if low[rows, "streamed"] > KERNEL_MARGIN * low[rows, "packed"]:
+                break
+            streamed_rows = rows
+    default_rows = 0
+    for rows in range(1, MAX_DEFAULT_ROWS + 1):
+        other = low[rows, "streamed" if rows <= streamed_rows else "packed"]
+        if low[rows, "default"] > KERNEL_MARGIN * other:
+            break
+        default_rows = rows
+    return RowKernels(default_rows, streamed_rows)
+
+
+def _time_round(weights, plan: list[tuple[int, str]], times: dict) -> None:
+    """One round: for each row count of `plan`, every packed weight's product of that many random rows on each
+    planned kernel; appends the seconds of each (rows, kernel) pass to `times`."""
+    from . import packed_linear
+
+    kernels = {"default": packed_linear.default_product, "packed": packed_linear.packed_product,
+               "streamed": packed_linear.streamed_product}
+    for rows in sorted({r for r, _ in plan}):
+        inputs = [torch.randn(rows, w.linears[0].in_features, dtype=torch.float32) for w in weights]
+        for name in [n for r, n in plan if r == rows]:
+            start = time.perf_counter()
+            for x, packed in zip(inputs, weights):
+                kernels[name](x, packed)
+            times[rows, name].append(time.perf_counter() - start)

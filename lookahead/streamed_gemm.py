@@ -1,0 +1,214 @@
+"""A small-row fp32 CPU matmul that streams each weight once for up to 16 rows: y = x @ Wᵀ for x of 1–16 rows.
+
+A decode or verification step multiplies a few rows by every weight matrix of the model: the time is the time to
+stream the weights from memory, and verifying k rows should cost about what one row costs. oneDNN's and MKL's
+fp32 kernels do not get there on a 2-core CPU (oneDNN: 8 rows ≈ 1.3–1.5x one row; MKL: 4 rows ≈ 1.8x), because
+their small-M paths either re-read the weights or leave the memory bus idle while computing. This kernel:
+
+- holds the weight as column panels `[N / P, K, P]` (P = the vector width: 16 floats with AVX-512, 8 with AVX2),
+  so one panel is one contiguous stream of K vectors;
+- keeps all rows' accumulators of a panel in vector registers (one per row) and, per k, loads one weight
+  vector, broadcasts x[m, k] and issues one fused multiply-add per row: the weights are read once per pass;
+- prefetches the weights `PREFETCH_STEPS` vectors ahead, so loads are in flight while the rows are computed;
+- splits the panels between the threads (numba's parallel loop), each thread a contiguous range.
+
+Every output row is the same sequence of multiply-adds (k = 0, 1, … K-1 in order) whatever the row count, so
+a row's result does not depend on how many rows are computed with it (oneDNN and MKL switch kernels, and so
+rounding, with the row count). The numbers differ from PyTorch's default matmul in the last bits, as oneDNN's do.
+
+The kernels are LLVM IR generated here (one function per row count up to `rows_per_pass()`, and a dispatcher),
+compiled for the host CPU with llvmlite (numba's own LLVM binding) once per process. `available()` is False when
+llvmlite cannot compile them or the CPU lacks FMA; callers then keep the other kernels. Whether this kernel is
+the fastest on a machine is measured (`calibration.row_kernels_for`), never assumed.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numba
+import torch
+from llvmlite import ir as llvm_ir
+from numba.core import types as nb_types
+from numba.extending import intrinsic
+
+PREFETCH_STEPS = 64  # weight vectors ahead: 4 KB with AVX-512 (measured: 16–32 too close, 256+ no better)
+_ARGS = ("rows", "x", "w", "y", "k", "n", "lo", "hi")  # every kernel argument is an i64 (pointers as integers)
+
+
+@dataclass(frozen=True)
+class StreamedWeight:
+    """A weight [N, K] laid out as column panels for the streamed kernel; `panels` is [N_pad / P, K, P]
+    (zero rows pad N to a multiple of P); `bias` [N] or None."""
+
+    panels: torch.Tensor
+    out_features: int
+    bias: torch.Tensor | None
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> StreamedWeight:
+    """The streamed layout of an fp32 weight [N, K] (and its bias [N]). Raises `ValueError` for another dtype
+    or shape."""
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        raise ValueError(f"streamed_gemm packs 2-D float32 weights, got {weight.dtype} {tuple(weight.shape)}")
+    width = vector_width()
+    n, k = weight.shape
+    padded = -(-n // width) * width
+    source = weight.detach()
+    if padded != n:
+        source = torch.cat([source, source.new_zeros(padded - n, k)])
+    panels = source.reshape(padded // width, width, k).transpose(1, 2).contiguous()  # [N_pad / P, K, P]
+    return StreamedWeight(panels, n, None if bias is None else bias.detach().contiguous())
+
+
+def product(x: torch.Tensor, weight: StreamedWeight) -> torch.Tensor:
+    """x [M, K] (fp32, any M ≥ 1) → [M, N]: `x @ Wᵀ + bias`, rows in passes of at most `rows_per_pass()`.
+    Raises `ValueError` when x is not a 2-D float32 tensor of the weight's width."""
+    panels = weight.panels
+    blocks, k, width = panels.shape
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"streamed_gemm needs float32 x [M, {k}], got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    rows = x.shape[0]
+    out = torch.empty(rows, blocks * width, dtype=torch.float32)
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, blocks))
+    step = rows_per_pass()
+    for first in range(0, rows, step):
+        m = min(step, rows - first)
+        _launch(_kernel_address(), m, x[first].data_ptr(), panels.data_ptr(), out[first].data_ptr(), k,
+                blocks * width, blocks, threads)
+    if blocks * width != weight.out_features:
+        out = out[:, :weight.out_features].contiguous()
+    if weight.bias is not None:
+        out += weight.bias
+    return out
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels compile on this machine (llvmlite with opaque pointers, a CPU with FMA) and compute
+    a product right (checked once against float64 on a small case)."""
+    try:
+        features = _host_features()
+        if "+fma" not in features and "+avx512f" not in features:
+            return False
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(3 * vector_width() + 5, 37, generator=generator)
+        x = torch.randn(rows_per_pass() + 3, 37, generator=generator)
+        got = product(x, pack(weight))
+        return bool(torch.allclose(got.double(), x.double() @ weight.double().T, atol=1e-4, rtol=1e-4))
+    except Exception:  # noqa: BLE001 — any failure to build or run the kernel means: not available here
+        return False
+
+
+@functools.cache
+def vector_width() -> int:
+    """Floats per vector register the kernels use: 16 with AVX-512, else 8."""
+    return 16 if "+avx512f" in _host_features() else 8
+
+
+def rows_per_pass() -> int:
+    """Rows computed per pass over the weights: one accumulator register per row (32 vector registers with
+    AVX-512, 16 with AVX2) leaves room for the weight vector and the broadcast."""
+    return 16 if vector_width() == 16 else 12
+
+
+def kernel_ir(rows: int, width: int, prefetch: int = PREFETCH_STEPS, name: str = "panel_rows") -> str:
+    """LLVM IR of `void name(i64 x, i64 w, i64 y, i64 K, i64 N, i64 lo, i64 hi)`: for panels lo ≤ b < hi,
+    y[m, b·P + j] = Σ_k x[m, k] · w[b, k, j] for the `rows` rows m, P = `width` (x [rows, K], y [rows, N])."""
+    vec, out = f"<{width} x float>", []
+    emit = out.append
+    emit(f"define internal void @{name}(i64 %xa, i64 %wa, i64 %ya, i64 %K, i64 %N, i64 %lo, i64 %hi) {{")
+    emit("entry:\n  %x = inttoptr i64 %xa to ptr\n  %w = inttoptr i64 %wa to ptr\n  %y = inttoptr i64 %ya to ptr")
+    emit("  br label %panel")
+    emit("panel:\n  %b = phi i64 [%lo, %entry], [%b_next, %store]\n  %done = icmp sge i64 %b, %hi")
+    emit("  br i1 %done, label %exit, label %start")
+    emit("start:\n  %base = mul i64 %b, %K\n  br label %loop")
+    emit("loop:\n  %k = phi i64 [0, %start], [%k_next, %loop]")
+    for m in range(rows):
+        emit(f"  %acc{m} = phi {vec} [zeroinitializer, %start], [%sum{m}, %loop]")
+    emit(f"  %step = add i64 %base, %k\n  %offset = mul i64 %step, {width}")
+    emit(f"  %wp = getelementptr float, ptr %w, i64 %offset\n  %wv = load {vec}, ptr %wp, align 4")
+    emit(f"  %ahead = getelementptr float, ptr %wp, i64 {prefetch * width}")
+    emit("  call void @llvm.prefetch.p0(ptr %ahead, i32 0, i32 3, i32 1)")
+    for m in range(rows):
+        emit(f"  %xrow{m} = mul i64 %K, {m}\n  %xi{m} = add i64 %xrow{m}, %k")
+        emit(f"  %xp{m} = getelementptr float, ptr %x, i64 %xi{m}\n  %xs{m} = load float, ptr %xp{m}, align 4")
+        emit(f"  %xh{m} = insertelement {vec} poison, float %xs{m}, i32 0")
+        emit(f"  %xv{m} = shufflevector {vec} %xh{m}, {vec} poison, <{width} x i32> zeroinitializer")
+        emit(f"  %sum{m} = call {vec} @llvm.fma.v{width}f32({vec} %xv{m}, {vec} %wv, {vec} %acc{m})")
+    emit("  %k_next = add i64 %k, 1\n  %last = icmp eq i64 %k_next, %K\n  br i1 %last, label %store, label %loop")
+    emit(f"store:\n  %col = mul i64 %b, {width}")
+    for m in range(rows):
+        emit(f"  %yrow{m} = mul i64 %N, {m}\n  %yi{m} = add i64 %yrow{m}, %col")
+        emit(f"  %yp{m} = getelementptr float, ptr %y, i64 %yi{m}\n  store {vec} %sum{m}, ptr %yp{m}, align 4")
+    emit("  %b_next = add i64 %b, 1\n  br label %panel")
+    emit("exit:\n  ret void\n}")
+    return "\n".join(out)
+
+
+def module_ir(width: int, max_rows: int) -> str:
+    """The module: one `kernel_ir` per row count 1..max_rows and `streamed_rows(i64 rows, …)`, which calls the
+    one for `rows` (rows outside 1..max_rows: nothing is computed)."""
+    vec = f"<{width} x float>"
+    parts = [f"declare {vec} @llvm.fma.v{width}f32({vec}, {vec}, {vec})",
+             "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)"]
+    parts += [kernel_ir(m, width, name=f"rows{m}") for m in range(1, max_rows + 1)]
+    args = ", ".join(f"i64 %{a}" for a in _ARGS[1:])
+    cases = " ".join(f"i64 {m}, label %r{m}" for m in range(1, max_rows + 1))
+    body = [f"define void @streamed_rows(i64 %rows, {args}) {{", "entry:",
+            f"  switch i64 %rows, label %exit [ {cases} ]"]
+    for m in range(1, max_rows + 1):
+        body += [f"r{m}:", f"  call void @rows{m}({args})", "  br label %exit"]
+    body += ["exit:", "  ret void", "}"]
+    return "\n".join(parts + body)
+
+
+def _host_features() -> str:
+    import llvmlite.binding as llvm
+
+    return llvm.get_host_cpu_features().flatten()
+
+
+_ENGINES: list = []  # compiled modules stay alive for the process (their code is called by address)
+
+
+@functools.cache
+def _kernel_address() -> int:
+    """Address of the compiled `streamed_rows` dispatcher (compiled on first use, ~0.1 s)."""
+    import llvmlite.binding as llvm
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    machine = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=_host_features(), opt=3)
+    module = llvm.parse_assembly(module_ir(vector_width(), rows_per_pass()))
+    module.verify()
+    passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
+    passes.getModulePassManager().run(module, passes)
+    engine = llvm.create_mcjit_compiler(module, machine)
+    engine.finalize_object()
+    _ENGINES.append((engine, module))
+    return engine.get_function_address("streamed_rows")
+
+
+@intrinsic
+def _call_address(typingctx, address, rows, x, w, y, k, n, lo, hi):
+    """Call the compiled dispatcher at `address` with eight i64 arguments (numba has no call-by-address)."""
+    sig = nb_types.void(*([nb_types.int64] * 9))
+
+    def codegen(context, builder, signature, args):
+        i64 = llvm_ir.IntType(64)
+        fnty = llvm_ir.FunctionType(llvm_ir.VoidType(), [i64] * 8)
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), args[1:])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def _launch(address, rows, x, w, y, k, n, blocks, threads):  # pragma: no cover - compiled
+    """Split the panels into `threads` contiguous ranges and run the kernel on each in parallel."""
+    for t in numba.prange(threads):
+        _call_address(address, rows, x, w, y, k, n, t * blocks // threads, (t + 1) * blocks // threads)

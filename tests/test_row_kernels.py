@@ -1,0 +1,132 @@
+"""Tests for lookahead/row_kernels.py: which kernel computes how many rows, measured on a fake clock (no timing of
+this machine is asserted), its cache and the curve key."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from tiny_models import build_tiny_model
+
+from lookahead import row_kernels, streamed_gemm
+from lookahead.calibration import curve_key
+from lookahead.packed_linear import packed_linears, set_default_rows, set_streamed_rows
+from lookahead.row_kernels import RowKernels, measure_row_kernels, row_kernels_for
+
+WEIGHTS = 9  # packed weights of the tiny llama (2 layers × q/k/v, o, gate/up, down, and the LM head)
+
+
+class _FakeClock:
+    """A clock the fake kernels advance by `ms[kernel](rows)` per pass over all packed weights."""
+
+    def __init__(self, ms: dict):
+        self.now, self.ms, self.calls = 0.0, ms, {name: 0 for name in ms}
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def install(self, monkeypatch) -> None:
+        from lookahead import packed_linear
+
+        for name in self.ms:
+            monkeypatch.setattr(packed_linear, f"{name}_product", self._kernel(name))
+        monkeypatch.setattr(row_kernels, "time", types.SimpleNamespace(perf_counter=self.perf_counter))
+
+    def _kernel(self, name):
+        def product(x, packed):
+            self.calls[name] += 1
+            self.now += self.ms[name](x.shape[0]) / 1000 / WEIGHTS
+        return product
+
+
+def _measure(monkeypatch, ms: dict, streamed: bool = True, **kwargs) -> tuple[RowKernels, _FakeClock]:
+    clock = _FakeClock(ms)
+    clock.install(monkeypatch)
+    monkeypatch.setattr(streamed_gemm, "available", lambda: streamed)
+    model = build_tiny_model("llama", dtype=torch.float32)
+    with packed_linears(model):
+        return measure_row_kernels(model, **kwargs), clock
+
+
+STREAM_FAST = lambda r: 2.0 + 0.02 * r  # noqa: E731 — the streamed kernel: nearly flat
+ONEDNN = lambda r: 2.5 + 0.1 * r  # noqa: E731
+
+
+@pytest.mark.parametrize("default_ms, expected", [(lambda r: 1.0 * r, 1), (lambda r: 3.0, 0),
+                                                  (lambda r: 1.0, 4), (lambda r: 1.5 if r != 2 else 9.0, 1)])
+def test_the_default_matmul_takes_the_rows_where_it_beats_the_kernel_used_otherwise(monkeypatch, default_ms,
+                                                                                   expected):
+    found, _ = _measure(monkeypatch, {"default": default_ms, "packed": ONEDNN, "streamed": STREAM_FAST}, repeats=2)
+    assert found == RowKernels(expected, 32)  # the streamed kernel wins at every probe
+    found, _ = _measure(monkeypatch, {"default": lambda r: 1.6 + 0.4 * r, "packed": ONEDNN, "streamed": STREAM_FAST},
+                        streamed=False, repeats=2)
+    assert found == RowKernels(2, 0)  # without the streamed kernel the default matmul is measured against oneDNN
+
+
+@pytest.mark.parametrize("streamed_ms, expected", [(STREAM_FAST, 32), (lambda r: 2.0 if r <= 8 else 9.0, 8),
+                                                   (lambda r: 9.0 if r == 1 else 2.0, 0),
+                                                   (lambda r: 0.97 * ONEDNN(r), 0)])
+def test_the_streamed_kernel_takes_the_probes_up_to_the_first_it_does_not_clearly_win(monkeypatch, streamed_ms,
+                                                                                      expected):
+    found, _ = _measure(monkeypatch, {"default": lambda r: 5.0, "packed": ONEDNN, "streamed": streamed_ms},
+                        repeats=2)
+    assert found == RowKernels(0, expected)
+
+
+def test_nothing_packable_measures_nothing():
+    assert measure_row_kernels(build_tiny_model("llama", dtype=torch.float64)) == RowKernels()
+
+
+def test_a_model_that_streams_slowly_gets_fewer_rounds(monkeypatch):
+    slow = lambda r: 900.0  # noqa: E731 — a pass over the weights takes ~1 s: a round ~20 s
+    found, clock = _measure(monkeypatch, {"default": slow, "packed": slow, "streamed": slow}, repeats=7,
+                            budget_seconds=3.0)
+    assert found == RowKernels(0, 0)
+    assert clock.calls["default"] == (1 + 2) * 4 * WEIGHTS  # the warm-up and the minimum of 2 timed rounds, not 7
+
+
+def test_row_kernels_for_caches_on_disk_and_in_memory_and_keys_the_curve(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(row_kernels, "_MEMORY", {})
+    calls = []
+    monkeypatch.setattr(row_kernels, "measure_row_kernels", lambda model: calls.append(1) or RowKernels(3, 16))
+    monkeypatch.setattr(streamed_gemm, "available", lambda: True)
+    model = build_tiny_model("llama", dtype=torch.float32)
+    with packed_linears(model):
+        assert row_kernels_for(model, quiet=True) == RowKernels(3, 16) and len(calls) == 1
+        assert row_kernels_for(model, quiet=True) == RowKernels(3, 16) and len(calls) == 1  # memory
+        monkeypatch.setattr(row_kernels, "_MEMORY", {})
+        assert row_kernels_for(model, quiet=True) == RowKernels(3, 16) and len(calls) == 1  # disk
+        assert row_kernels_for(model, refresh=True, quiet=True) == RowKernels(3, 16) and len(calls) == 2
+        files = list((tmp_path / "cost").glob("*-row-kernels.json"))
+        assert len(files) == 1
+        for bad in ('{"default_rows": -4, "streamed_rows": 0}', '{"default_rows": 1}', "not json",
+                    '{"default_rows": 1, "streamed_rows": 99}'):
+            files[0].write_text(bad)  # unreadable or out of range: measured again
+            monkeypatch.setattr(row_kernels, "_MEMORY", {})
+            before = len(calls)
+            assert row_kernels_for(model, quiet=True) == RowKernels(3, 16) and len(calls) == before + 1
+        keys = {curve_key(model)}
+        set_default_rows(model, 3)
+        keys.add(curve_key(model))
+        if streamed_gemm.available():
+            set_streamed_rows(model, 16)
+            keys.add(curve_key(model))
+    assert len(keys) == 3  # a curve measured with other kernels for a few rows is cached apart
+
+
+def test_a_cached_streamed_choice_is_not_used_where_the_kernel_is_missing(tmp_path):
+    path = tmp_path / "k.json"
+    path.write_text('{"default_rows": 1, "streamed_rows": 16}')
+    assert row_kernels._read(path, streamed=True) == RowKernels(1, 16)
+    assert row_kernels._read(path, streamed=False) is None
+    path.write_text('{"default_rows": 1, "streamed_rows": 0}')
+    assert row_kernels._read(path, streamed=False) == RowKernels(1, 0)
+
+
+def test_describe_names_each_kernel_and_its_rows():
+    assert RowKernels(0, 0).describe() == "all products on oneDNN's packed weights"
+    assert RowKernels(3, 0).describe() == "up to 3 rows on PyTorch's default matmul"
+    assert RowKernels(0, 16).describe() == "1–16 rows on the streamed kernel"
+    assert RowKernels(2, 3).describe() == "up to 2 rows on PyTorch's default matmul, 3 rows on the streamed kernel"

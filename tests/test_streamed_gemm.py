@@ -1,0 +1,92 @@
+"""Tests for lookahead/streamed_gemm.py: the streamed small-row kernel computes x @ Wᵀ + b for any row count and
+shape, each row independently of the rows computed with it, on the AVX-512 and the AVX2 layouts, and refuses
+what it cannot compute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lookahead import streamed_gemm
+from lookahead.streamed_gemm import pack, product
+
+needs_kernel = pytest.mark.skipif(not streamed_gemm.available(), reason="streamed kernel not built on this machine")
+
+
+def _reference(x, weight, bias=None):
+    out = x.double() @ weight.double().T
+    return (out if bias is None else out + bias.double()).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 12, 16, 17, 33])
+@pytest.mark.parametrize("out_features, in_features, bias", [(64, 48, False), (80, 37, True), (5, 3, True)])
+def test_the_product_matches_float64_for_any_row_count_and_shape(rows, out_features, in_features, bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    b = torch.randn(out_features, generator=generator) if bias else None
+    x = torch.randn(rows, in_features, generator=generator)
+    got = product(x, pack(weight, b))
+    assert got.shape == (rows, out_features) and got.is_contiguous()
+    torch.testing.assert_close(got, _reference(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_each_row_is_computed_as_if_alone_and_on_any_thread_count():
+    generator = torch.Generator().manual_seed(7)
+    weight = pack(torch.randn(200, 96, generator=generator))
+    x = torch.randn(20, 96, generator=generator)
+    together = product(x, weight)
+    for i in range(20):
+        assert torch.equal(product(x[i:i + 1], weight), together[i:i + 1])  # bit-identical, not merely close
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(product(x, weight), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_the_avx2_layout_computes_the_same_product(monkeypatch):
+    """Eight-float panels and at most 12 rows per pass (what an AVX2 machine uses), compiled here."""
+    monkeypatch.setattr(streamed_gemm, "vector_width", lambda: 8)
+    streamed_gemm._kernel_address.cache_clear()
+    try:
+        assert streamed_gemm.rows_per_pass() == 12
+        weight, x = torch.randn(44, 30), torch.randn(14, 30)
+        packed = pack(weight)
+        assert packed.panels.shape == (6, 30, 8)
+        torch.testing.assert_close(product(x, packed), _reference(x, weight), rtol=1e-5, atol=1e-5)
+    finally:
+        streamed_gemm._kernel_address.cache_clear()
+
+
+def test_the_kernel_is_available_on_a_cpu_with_fma():
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    if "fma" not in flags and "avx512f" not in flags:
+        pytest.skip("this CPU has no FMA: the kernel is not built here (by design)")
+    assert streamed_gemm.available()
+
+
+def test_the_generated_ir_has_one_function_per_row_count_and_a_dispatcher():
+    ir = streamed_gemm.module_ir(16, 3)
+    assert [line.split("@")[1].split("(")[0] for line in ir.splitlines() if line.startswith("define")] == [
+        "rows1", "rows2", "rows3", "streamed_rows"]
+    assert ir.count("@llvm.fma.v16f32(<16 x float> %xv") == 1 + 2 + 3  # one multiply-add per row and step
+
+
+@needs_kernel
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="float32"):
+        pack(torch.randn(4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="2-D"):
+        pack(torch.randn(4))
+    weight = pack(torch.randn(16, 8))
+    with pytest.raises(ValueError, match=r"x \[M, 8\]"):
+        product(torch.randn(2, 9), weight)
+    with pytest.raises(ValueError, match="float32"):
+        product(torch.randn(2, 8, dtype=torch.float64), weight)
