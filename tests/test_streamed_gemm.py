@@ -90,3 +90,15 @@ def test_bad_inputs_are_refused():
         product(torch.randn(2, 9), weight)
     with pytest.raises(ValueError, match="float32"):
         product(torch.randn(2, 8, dtype=torch.float64), weight)
+
+
+@needs_kernel
+def test_the_kernel_is_not_used_on_numbas_thread_unsafe_workqueue_layer(monkeypatch):
+    import numba
+
+    monkeypatch.setattr(numba, "threading_layer", lambda: "workqueue")
+    streamed_gemm.available.cache_clear()
+    try:
+        assert not streamed_gemm.available()
+    finally:
+        streamed_gemm.available.cache_clear()
