@@ -206,14 +206,6 @@ def _linear(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
     return packed_product(x, packed)
 
 
-def fast_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
-    """x [..., K] → [..., N] on the kernel `_linear` uses when PyTorch's default matmul is not chosen (what the
-    default matmul is measured against)."""
-    if x.numel() // x.shape[-1] <= packed.streamed_rows:
-        return streamed_product(x, packed)
-    return packed_product(x, packed)
-
-
 def streamed_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
     """x [..., K] → [..., N] with the streamed kernel (`streamed_gemm`)."""
     out = streamed_gemm.product(x.reshape(-1, x.shape[-1]), packed.streamed())
