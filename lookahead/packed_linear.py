@@ -147,6 +147,7 @@ class _PackedWeights:
 
     def __init__(self, linears: list[nn.Linear]):
         self.linears = linears
+        self._parameters = [linear._parameters for linear in linears]  # each module's own dict: replacements land there
         self.stamp = None
         self.weight = self.bias = self.panels = None
         self.default_rows = 0  # products of at most this many rows use the linears' own weights
@@ -169,7 +170,7 @@ class _PackedWeights:
 
     def _refresh(self) -> None:
         """Drop every layout built from parameters that have changed since."""
-        stamp = _stamp(self.linears)
+        stamp = _stamp(self._parameters)
         if stamp != self.stamp:
             self.weight = self.bias = self.panels = None
             self.stamp = stamp
@@ -182,16 +183,11 @@ class _PackedWeights:
         return weight, torch.cat([m.bias.detach() for m in self.linears]) if has_bias else None
 
 
-def _stamp(linears: list[nn.Linear]) -> list[int]:
-    """Identity and in-place version of every weight and bias of `linears` (checked on every call, so read
-    straight from each module's parameter dict: ~10x cheaper than attribute access and nested tuples)."""
-    stamp = []
-    for linear in linears:
-        params = linear._parameters
-        for param in (params["weight"], params.get("bias")):
-            if param is not None:
-                stamp += (id(param), param._version)
-    return stamp
+def _stamp(parameters: list[dict]) -> list[tuple[int, int]]:
+    """Identity and in-place version of every parameter in `parameters` (the `_parameters` dicts of the source
+    linears: weight and bias). Checked on every product, so read straight from the dicts, ~10x cheaper than
+    attribute access."""
+    return [(id(param), param._version) for params in parameters for param in params.values() if param is not None]
 
 
 def _linear(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
@@ -208,8 +204,10 @@ def _linear(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
 
 def streamed_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
     """x [..., K] → [..., N] with the streamed kernel (`streamed_gemm`)."""
+    if x.dim() == 2:
+        return streamed_gemm.product(x, packed.streamed())
     out = streamed_gemm.product(x.reshape(-1, x.shape[-1]), packed.streamed())
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def packed_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
