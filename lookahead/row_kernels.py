@@ -6,7 +6,8 @@ weights streamed once for up to 16 rows) and oneDNN's prepacked product (the fal
 such as a prompt's prefill use). Which is faster for k rows depends on the CPU, so it is measured: every packed
 weight's product of k random rows on each kernel, kernels and row counts interleaved, a low quantile per kernel.
 The answer is two row counts (`RowKernels`): up to `default_rows` rows the default matmul, up to `streamed_rows`
-the streamed kernel, above that oneDNN. It is cached in memory and on disk beside the cost curve, per model and
+the streamed kernel, above that oneDNN — or the default matmul when the streamed kernel is used at all (no copy of
+the weights in oneDNN's layout then; `packed_linear`). It is cached in memory and on disk beside the cost curve, per model and
 machine (only the linear products are timed, so the attention and decoder-layer choices do not matter).
 """
 
@@ -32,7 +33,7 @@ MEASURE_BUDGET = 3.0  # seconds the timed rounds may take (at least 2 rounds)
 @dataclass(frozen=True)
 class RowKernels:
     """Products of at most `default_rows` rows run PyTorch's default matmul, of at most `streamed_rows` rows the
-    streamed kernel, larger ones oneDNN's prepacked product."""
+    streamed kernel, larger ones oneDNN's prepacked product (the default matmul when `streamed_rows` > 0)."""
 
     default_rows: int = 0
     streamed_rows: int = 0
@@ -46,7 +47,10 @@ class RowKernels:
             first = self.default_rows + 1
             span = f"{first}–{self.streamed_rows}" if self.streamed_rows > first else f"{first}"
             parts.append(f"{span} rows on the streamed kernel")
-        return ", ".join(parts) if parts else "all products on oneDNN's packed weights"
+        if not parts:
+            return "all products on oneDNN's packed weights"
+        larger = "PyTorch's default matmul" if self.streamed_rows else "oneDNN's packed weights"
+        return ", ".join(parts) + f", more on {larger}"
 
 
 def apply_row_kernels(model, kernels: RowKernels) -> None:

@@ -53,16 +53,44 @@ class StreamedWeight:
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> StreamedWeight:
     """The streamed layout of an fp32 weight [N, K] (and its bias [N]). Raises `ValueError` for another dtype
     or shape."""
-    if weight.dtype != torch.float32 or weight.dim() != 2:
-        raise ValueError(f"streamed_gemm packs 2-D float32 weights, got {weight.dtype} {tuple(weight.shape)}")
-    width = vector_width()
-    n, k = weight.shape
-    padded = -(-n // width) * width
-    source = weight.detach()
-    if padded != n:
-        source = torch.cat([source, source.new_zeros(padded - n, k)])
-    panels = source.reshape(padded // width, width, k).transpose(1, 2).contiguous()  # [N_pad / P, K, P]
+    return pack_stacked([weight], bias)
+
+
+def pack_stacked(weights: list[torch.Tensor], bias: torch.Tensor | None = None) -> StreamedWeight:
+    """The streamed layout of fp32 weights [N_i, K] stacked by rows (N = Σ N_i; `bias` [N] or None), written
+    straight into the panels: no stacked or transposed copy of the weights is made on the way (freed temporaries
+    of a model's size would stay in the process's memory). Raises `ValueError` for another dtype or shape."""
+    for weight in weights:
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] != weights[0].shape[1]:
+            raise ValueError(f"streamed_gemm packs 2-D float32 weights of one width, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+    width, k = vector_width(), weights[0].shape[1]
+    n = sum(weight.shape[0] for weight in weights)
+    panels = torch.empty(-(-n // width), k, width)  # [N_pad / P, K, P]
+    rows = panels.permute(0, 2, 1)  # [N_pad / P, P, K]: row r of the stack is rows[r // P, r % P]
+    start = 0
+    for weight in weights:
+        _fill_rows(rows, weight.detach(), start)
+        start += weight.shape[0]
+    if n % width:
+        rows[n // width, n % width:] = 0.0  # the padding rows
     return StreamedWeight(panels, n, None if bias is None else bias.detach().contiguous())
+
+
+def _fill_rows(rows: torch.Tensor, weight: torch.Tensor, start: int) -> None:
+    """Write `weight` [n, K] as rows start .. start + n - 1 of the panel view `rows` [N_pad / P, P, K]: whole
+    panels in one copy, a partial panel at either end row by row range."""
+    width, n, done = rows.shape[1], weight.shape[0], 0
+    while done < n:
+        block, offset = divmod(start + done, width)
+        if offset == 0 and n - done >= width:
+            count = (n - done) // width
+            rows[block: block + count].copy_(weight[done: done + count * width].reshape(count, width, -1))
+            done += count * width
+        else:
+            take = min(width - offset, n - done)
+            rows[block, offset: offset + take].copy_(weight[done: done + take])
+            done += take
 
 
 def product(x: torch.Tensor, weight: StreamedWeight) -> torch.Tensor:

@@ -97,7 +97,8 @@ needs_streamed = pytest.mark.skipif(not streamed_gemm.available(), reason="strea
 @pytest.mark.parametrize("bias", [False, True])
 def test_each_row_count_takes_its_kernel(bias):
     """1 row: the default matmul; 2–3 rows: the streamed kernel (its panels poisoned with ones); 4 rows: the
-    oneDNN weight (poisoned with zeros)."""
+    default matmul again, as the streamed kernel is in use (the oneDNN weight, poisoned with zeros, is not read);
+    without streamed rows, 4 rows: the oneDNN weight."""
     torch.manual_seed(4)
     linear = nn.Linear(48, 80, bias=bias)
     packed = PackedLinear(linear)
@@ -111,8 +112,28 @@ def test_each_row_count_takes_its_kernel(bias):
         x = torch.randn(1, rows, 48)
         expected = x.sum(-1, keepdim=True).expand(1, rows, 80) + (linear.bias if bias else 0)
         torch.testing.assert_close(packed(x), expected)
+    x = torch.randn(4, 48)
+    assert torch.equal(packed(x), linear(x))
+    packed.packed.streamed_rows = 0
     expected = linear.bias.expand(4, 80) if bias else torch.zeros(4, 80)
-    assert torch.equal(packed(torch.randn(4, 48)), expected)
+    assert torch.equal(packed(x), expected)
+
+
+@needs_streamed
+def test_with_the_streamed_kernel_no_onednn_copy_of_the_weights_is_made():
+    torch.manual_seed(6)
+    linears = [nn.Linear(32, n) for n in (48, 16)]
+    group = FusedGroup(linears)
+    group.packed.streamed_rows = 4
+    members = [FusedMember(group, i) for i in range(2)]
+    for rows in (3, 40):  # a verification-sized product and a prefill-sized one
+        x = torch.randn(1, rows, 32)
+        for i in (0, 1):
+            torch.testing.assert_close(members[i](x), linears[i](x), rtol=1e-5, atol=1e-5)
+    assert group.packed.weight is None and group.packed.panels is not None
+    group.packed.streamed_rows = 0
+    members[0](torch.randn(1, 40, 32))
+    assert group.packed.weight is not None  # without the streamed kernel, large products are oneDNN's
 
 
 @needs_streamed
@@ -199,14 +220,16 @@ class _LinearTypes(LogitsProcessor):
 
 
 STREAMED_ONLY = dict(default_matmul_rows=0, streamed_matmul_rows=16)  # every step's products on the streamed kernel
+ONEDNN = dict(default_matmul_rows=2, streamed_matmul_rows=0)  # no streamed kernel: products of 3+ rows on oneDNN
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma", "phi3"])
 @pytest.mark.parametrize("config", [
     LookaheadConfig(), LookaheadConfig.off(),
     pytest.param(LookaheadConfig(**STREAMED_ONLY), marks=needs_streamed),
-    pytest.param(LookaheadConfig.off().with_overrides(**STREAMED_ONLY), marks=needs_streamed)],
-    ids=["speculate", "off", "speculate-streamed", "off-streamed"])
+    pytest.param(LookaheadConfig.off().with_overrides(**STREAMED_ONLY), marks=needs_streamed),
+    LookaheadConfig(**ONEDNN)],
+    ids=["speculate", "off", "speculate-streamed", "off-streamed", "speculate-onednn"])
 def test_greedy_through_packed_linears_is_plain_greedy(family, config):
     model = build_tiny_model(family, dtype=torch.float32, seed=3, layers=3)
     for seed in range(2):

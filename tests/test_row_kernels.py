@@ -127,6 +127,7 @@ def test_a_cached_streamed_choice_is_not_used_where_the_kernel_is_missing(tmp_pa
 
 def test_describe_names_each_kernel_and_its_rows():
     assert RowKernels(0, 0).describe() == "all products on oneDNN's packed weights"
-    assert RowKernels(3, 0).describe() == "up to 3 rows on PyTorch's default matmul"
-    assert RowKernels(0, 16).describe() == "1–16 rows on the streamed kernel"
-    assert RowKernels(2, 3).describe() == "up to 2 rows on PyTorch's default matmul, 3 rows on the streamed kernel"
+    assert RowKernels(3, 0).describe() == "up to 3 rows on PyTorch's default matmul, more on oneDNN's packed weights"
+    assert RowKernels(0, 16).describe() == "1–16 rows on the streamed kernel, more on PyTorch's default matmul"
+    assert RowKernels(2, 3).describe() == ("up to 2 rows on PyTorch's default matmul, 3 rows on the streamed kernel, "
+                                           "more on PyTorch's default matmul")

@@ -49,6 +49,24 @@ def test_each_row_is_computed_as_if_alone_and_on_any_thread_count():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("heights", [(5, 20, 3), (16, 32), (7,), (1, 1, 1, 40)])
+def test_stacked_weights_are_packed_as_their_concatenation(heights):
+    """Row blocks that start and end inside a panel, whole panels, and padding: the same panels as packing the
+    stacked matrix (built here the simple way)."""
+    generator = torch.Generator().manual_seed(sum(heights))
+    weights = [torch.randn(h, 9, generator=generator) for h in heights]
+    stacked = torch.cat(weights)
+    width = streamed_gemm.vector_width()
+    padded = torch.cat([stacked, stacked.new_zeros(-len(stacked) % width, 9)])
+    expected = padded.reshape(-1, width, 9).transpose(1, 2)
+    bias = torch.randn(len(stacked), generator=generator)
+    packed = streamed_gemm.pack_stacked(weights, bias)
+    assert torch.equal(packed.panels, expected) and packed.out_features == len(stacked)
+    assert torch.equal(packed.bias, bias)
+    with pytest.raises(ValueError, match="one width"):
+        streamed_gemm.pack_stacked([torch.randn(4, 9), torch.randn(4, 8)])
+
+
 @needs_kernel
 def test_the_avx2_layout_computes_the_same_product(monkeypatch):
     """Eight-float panels and at most 12 rows per pass (what an AVX2 machine uses), compiled here."""
