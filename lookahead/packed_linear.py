@@ -150,7 +150,7 @@ class _PackedWeights:
 
     def __init__(self, linears: list[nn.Linear]):
         self.linears = linears
-        self._parameters = [linear._parameters for linear in linears]  # each module's own dict: replacements land there
+        self._parameters = [linear._parameters for linear in linears]  # replaced parameters land in these dicts
         self.stamp = None
         self.weight = self.bias = self.panels = None
         self.default_rows = 0  # products of at most this many rows use the linears' own weights

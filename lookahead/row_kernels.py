@@ -3,8 +3,9 @@
 Three kernels can compute the packed linear layers' products (`packed_linear`): PyTorch's default matmul on the
 model's own weights (MKL: quick for 1–3 rows on some Intel CPUs), the streamed kernel (`streamed_gemm`: the
 weights streamed once for up to 16 rows) and oneDNN's prepacked product (the fallback, and what large products
-such as a prompt's prefill use without the streamed kernel). Which is faster for k rows depends on the CPU, so it is measured: every packed
-weight's product of k random rows on each kernel, kernels and row counts interleaved, a low quantile per kernel.
+such as a prompt's prefill use without the streamed kernel). Which is faster for k rows depends on the CPU, so it
+is measured: every packed weight's product of k random rows on each kernel, kernels and row counts interleaved, a
+low quantile per kernel.
 The answer is two row counts (`RowKernels`): up to `default_rows` rows the default matmul, up to `streamed_rows`
 the streamed kernel, above that oneDNN — or the default matmul when the streamed kernel is used at all (no copy of
 the weights in oneDNN's layout then; `packed_linear`). It is cached in memory and on disk beside the cost curve,
