@@ -120,3 +120,13 @@ def test_the_kernel_is_not_used_on_numbas_thread_unsafe_workqueue_layer(monkeypa
         assert not streamed_gemm.available()
     finally:
         streamed_gemm.available.cache_clear()
+
+
+def test_panels_are_float32_whatever_the_default_dtype():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        packed = streamed_gemm.pack_stacked([torch.randn(5, 9, dtype=torch.float32)])
+    finally:
+        torch.set_default_dtype(previous)
+    assert packed.panels.dtype == torch.float32
