@@ -82,7 +82,7 @@ def measure(result: dict, prompts: dict[str, Prompt], tokenizer, min_match: int,
     docstring) for the prompts the result ran (`prompts`: by id), outputs from its first `hf_greedy` run of each.
     Raises `ValueError` if a prompt does not encode to the length the run recorded."""
     runs = result["runs"]
-    outputs = {run["prompt_id"]: _tokens(run) for run in runs if run["method"] == REFERENCE and run["repeat"] == 0}
+    outputs = {run["prompt_id"]: run["tokens"] for run in runs if run["method"] == REFERENCE and run["repeat"] == 0}
     out: dict[str, dict] = {}
     for record in result["prompts"]:
         prompt = prompts[record["id"]]
@@ -102,12 +102,6 @@ def measure(result: dict, prompts: dict[str, Prompt], tokenizer, min_match: int,
         entry["oracle_tokens_per_step"] = entry["tokens"] / max(entry["steps"], 1)
         entry.update(_measured(runs, entry.pop("prompts"), entry["oracle_tokens_per_step"]))
     return out
-
-
-def _tokens(run: dict) -> list[int]:
-    """A run's generated token ids (stored as a JSON list or its string)."""
-    tokens = run["tokens"]
-    return json.loads(tokens) if isinstance(tokens, str) else tokens
 
 
 def _measured(runs: list[dict], prompt_ids: list[str], oracle: float) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -37,7 +36,7 @@ def test_the_oracle_copies_only_text_known_at_the_step():
 
 
 def _run(method: str, prompt_id: str, tokens: list[int], **fields) -> dict:
-    return {"method": method, "prompt_id": prompt_id, "repeat": 0, "tokens": json.dumps(tokens), **fields}
+    return {"method": method, "prompt_id": prompt_id, "repeat": 0, "tokens": tokens, **fields}
 
 
 def test_measure_compares_the_oracle_with_the_measured_steps_and_bounds_the_speed():
