@@ -19,6 +19,7 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .argmax_head import argmax_logits
 from .attention import tree_attention
 from .cache import make_compactable
 from .calibration import cost_curve_for
@@ -107,7 +108,8 @@ class Lookahead:
                                 copies=generation_config.num_return_sequences or 1,
                                 follow_timings=self.fixed_curve is None)
         decoder = Decoder(model, self.config, request)
-        sequences = decoder.run()
+        with argmax_logits(model, self.config.argmax_head and _argmax_only(request)):
+            sequences = decoder.run()
         self.last_stats = decoder.stats
         if not generation_config.return_dict_in_generate:
             return sequences
@@ -160,6 +162,12 @@ def _pad_token(config: GenerationConfig) -> int | None:
     """The pad token `generate` fills finished sequences with (prepared by transformers; may be None)."""
     pad = getattr(config, "_pad_token_tensor", None)
     return int(pad) if pad is not None else config.pad_token_id
+
+
+def _argmax_only(request: DecodeRequest) -> bool:
+    """Whether the generation reads nothing from the logits but each row's argmax and drafts: greedy, no logits
+    processor, no returned scores (the condition for `argmax_head.argmax_logits`)."""
+    return not request.do_sample and not request.record_scores and len(request.logits_processor) == 0
 
 
 def _wants_scores(config: GenerationConfig) -> bool:

@@ -43,11 +43,13 @@ _ARGS = ("rows", "x", "w", "y", "k", "n", "lo", "hi")  # every kernel argument i
 @dataclass(frozen=True)
 class StreamedWeight:
     """A weight [N, K] laid out as column panels for the streamed kernel; `panels` is [N_pad / P, K, P]
-    (zero rows pad N to a multiple of P); `bias` [N] or None."""
+    (zero rows pad N to a multiple of P); `bias` [N] or None. float32 panels hold the weight itself; int8 panels
+    (`quantize`) hold it rounded to `scales[n] · panels[…, n]`, and the product scales its output by `scales`."""
 
     panels: torch.Tensor
     out_features: int
     bias: torch.Tensor | None
+    scales: torch.Tensor | None = None
 
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> StreamedWeight:
@@ -75,6 +77,19 @@ def pack_stacked(weights: list[torch.Tensor], bias: torch.Tensor | None = None) 
     if n % width:
         rows[n // width, n % width:] = 0.0  # the padding rows
     return StreamedWeight(panels, n, None if bias is None else bias.detach().contiguous())
+
+
+def quantize(weight: torch.Tensor) -> StreamedWeight:
+    """An fp32 weight [N, K] rounded to int8 panels with one scale per output row (max |w| / 127, symmetric):
+    a quarter of the bytes to stream, for products that only need to be near (see `argmax_head`). Raises
+    `ValueError` for another dtype or shape."""
+    packed = pack(weight)  # validates; float32 panels, then rounded in place of a second full-size temporary
+    scales = weight.detach().abs().amax(dim=1) / 127.0
+    scales[scales == 0] = 1.0
+    padded = torch.ones(packed.panels.shape[0] * packed.panels.shape[2], dtype=torch.float32)
+    padded[: scales.numel()] = scales
+    rounded = packed.panels.div_(padded.view(-1, 1, packed.panels.shape[2])).round_().clamp_(-127, 127)
+    return StreamedWeight(rounded.to(torch.int8), weight.shape[0], None, scales.contiguous())
 
 
 def _fill_rows(rows: torch.Tensor, weight: torch.Tensor, start: int) -> None:
@@ -107,13 +122,15 @@ def product(x: torch.Tensor, weight: StreamedWeight) -> torch.Tensor:
     rows, n = x.shape[0], blocks * width
     out = torch.empty(rows, n, dtype=torch.float32)
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, blocks))
-    step, address = rows_per_pass(), _kernel_address()
+    step, address = rows_per_pass(), _kernel_address(str(panels.dtype).removeprefix("torch."))
     x_at, w_at, y_at = x.data_ptr(), panels.data_ptr(), out.data_ptr()
     for first in range(0, rows, step):  # fp32: 4 bytes per element
         _launch(address, min(step, rows - first), x_at + 4 * first * k, w_at, y_at + 4 * first * n, k, n, blocks,
                 threads)
     if n != weight.out_features:
         out = out[:, :weight.out_features].contiguous()
+    if weight.scales is not None:
+        out *= weight.scales
     if weight.bias is not None:
         out += weight.bias
     return out
@@ -151,9 +168,12 @@ def rows_per_pass() -> int:
     return 16 if vector_width() == 16 else 12
 
 
-def kernel_ir(rows: int, width: int, prefetch: int = PREFETCH_STEPS, name: str = "panel_rows") -> str:
+def kernel_ir(rows: int, width: int, prefetch: int = PREFETCH_STEPS, name: str = "panel_rows",
+              weights: str = "float32") -> str:
     """LLVM IR of `void name(i64 x, i64 w, i64 y, i64 K, i64 N, i64 lo, i64 hi)`: for panels lo ≤ b < hi,
-    y[m, b·P + j] = Σ_k x[m, k] · w[b, k, j] for the `rows` rows m, P = `width` (x [rows, K], y [rows, N])."""
+    y[m, b·P + j] = Σ_k x[m, k] · w[b, k, j] for the `rows` rows m, P = `width` (x [rows, K], y [rows, N]).
+    `weights`: the panels' element type, "float32" or "int8" (converted exactly to float before the
+    multiply-add; `prefetch` then counts float32 vectors' worth of bytes, so both look as far ahead)."""
     vec, out = f"<{width} x float>", []
     emit = out.append
     emit(f"define internal void @{name}(i64 %xa, i64 %wa, i64 %ya, i64 %K, i64 %N, i64 %lo, i64 %hi) {{")
@@ -166,8 +186,13 @@ def kernel_ir(rows: int, width: int, prefetch: int = PREFETCH_STEPS, name: str =
     for m in range(rows):
         emit(f"  %acc{m} = phi {vec} [zeroinitializer, %start], [%sum{m}, %loop]")
     emit(f"  %step = add i64 %base, %k\n  %offset = mul i64 %step, {width}")
-    emit(f"  %wp = getelementptr float, ptr %w, i64 %offset\n  %wv = load {vec}, ptr %wp, align 4")
-    emit(f"  %ahead = getelementptr float, ptr %wp, i64 {prefetch * width}")
+    if weights == "int8":
+        emit(f"  %wp = getelementptr i8, ptr %w, i64 %offset\n  %wq = load <{width} x i8>, ptr %wp, align 1")
+        emit(f"  %wi = sext <{width} x i8> %wq to <{width} x i32>\n  %wv = sitofp <{width} x i32> %wi to {vec}")
+        emit(f"  %ahead = getelementptr i8, ptr %wp, i64 {prefetch * width * 4}")
+    else:
+        emit(f"  %wp = getelementptr float, ptr %w, i64 %offset\n  %wv = load {vec}, ptr %wp, align 4")
+        emit(f"  %ahead = getelementptr float, ptr %wp, i64 {prefetch * width}")
     emit("  call void @llvm.prefetch.p0(ptr %ahead, i32 0, i32 3, i32 1)")
     for m in range(rows):
         emit(f"  %xrow{m} = mul i64 %K, {m}\n  %xi{m} = add i64 %xrow{m}, %k")
@@ -185,13 +210,13 @@ def kernel_ir(rows: int, width: int, prefetch: int = PREFETCH_STEPS, name: str =
     return "\n".join(out)
 
 
-def module_ir(width: int, max_rows: int) -> str:
-    """The module: one `kernel_ir` per row count 1..max_rows and `streamed_rows(i64 rows, …)`, which calls the
-    one for `rows` (rows outside 1..max_rows: nothing is computed)."""
+def module_ir(width: int, max_rows: int, weights: str = "float32") -> str:
+    """The module: one `kernel_ir` per row count 1..max_rows (for panels of `weights`) and
+    `streamed_rows(i64 rows, …)`, which calls the one for `rows` (rows outside 1..max_rows: nothing is computed)."""
     vec = f"<{width} x float>"
     parts = [f"declare {vec} @llvm.fma.v{width}f32({vec}, {vec}, {vec})",
              "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)"]
-    parts += [kernel_ir(m, width, name=f"rows{m}") for m in range(1, max_rows + 1)]
+    parts += [kernel_ir(m, width, name=f"rows{m}", weights=weights) for m in range(1, max_rows + 1)]
     args = ", ".join(f"i64 %{a}" for a in _ARGS[1:])
     cases = " ".join(f"i64 {m}, label %r{m}" for m in range(1, max_rows + 1))
     body = [f"define void @streamed_rows(i64 %rows, {args}) {{", "entry:",
@@ -212,15 +237,18 @@ _ENGINES: list = []  # compiled modules stay alive for the process (their code i
 
 
 @functools.cache
-def _kernel_address() -> int:
-    """Address of the compiled `streamed_rows` dispatcher (compiled on first use, ~0.1 s)."""
+def _kernel_address(weights: str = "float32") -> int:
+    """Address of the compiled `streamed_rows` dispatcher for panels of `weights` ("float32" or "int8"; each
+    compiled on first use, ~0.1 s)."""
     import llvmlite.binding as llvm
 
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     machine = llvm.Target.from_default_triple().create_target_machine(
         cpu=llvm.get_host_cpu_name(), features=_host_features(), opt=3)
-    module = llvm.parse_assembly(module_ir(vector_width(), rows_per_pass()))
+    if weights not in ("float32", "int8"):
+        raise ValueError(f"streamed_gemm computes float32 or int8 panels, got {weights}")
+    module = llvm.parse_assembly(module_ir(vector_width(), rows_per_pass(), weights))
     module.verify()
     passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
     passes.getModulePassManager().run(module, passes)

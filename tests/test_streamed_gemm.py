@@ -130,3 +130,36 @@ def test_panels_are_float32_whatever_the_default_dtype():
     finally:
         torch.set_default_dtype(previous)
     assert packed.panels.dtype == torch.float32
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+@pytest.mark.parametrize("out_features, in_features", [(64, 48), (83, 37), (5, 3)])
+def test_int8_panels_compute_the_product_of_the_rounded_weight(rows, out_features, in_features):
+    generator = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    weight[-1] = 0.0  # a zero row: scale 1, all zeros
+    quantized = streamed_gemm.quantize(weight)
+    assert quantized.panels.dtype == torch.int8 and quantized.scales.shape == (out_features,)
+    rounded = quantized.panels.permute(0, 2, 1).reshape(-1, in_features)[:out_features].double()
+    assert float(rounded.abs().max()) <= 127 and float(quantized.scales[-1]) == 1.0
+    dequantized = rounded * quantized.scales.double()[:, None]
+    assert bool(((dequantized - weight.double()).abs() <= quantized.scales.double()[:, None] / 2 + 1e-12).all())
+    x = torch.randn(rows, in_features, generator=generator)
+    torch.testing.assert_close(product(x, quantized), (x.double() @ dequantized.T).float(), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_few_weight_rows_packed_alone_give_the_full_products_numbers_bit_for_bit():
+    """What `argmax_head` relies on: an output's multiply-adds do not depend on the other rows packed with it."""
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(300, 70, generator=generator)
+    x = torch.randn(5, 70, generator=generator)
+    picked = torch.tensor([0, 17, 18, 129, 299])
+    assert torch.equal(product(x, pack(weight[picked])), product(x, pack(weight))[:, picked])
+
+
+def test_the_int8_kernel_converts_each_weight_vector_once():
+    ir = streamed_gemm.module_ir(16, 2, "int8")
+    assert ir.count("sext <16 x i8>") == 2 and ir.count("sitofp <16 x i32>") == 2  # one per row-count function
+    assert ir.count("@llvm.fma.v16f32(<16 x float> %xv") == 1 + 2

@@ -1,0 +1,183 @@
+"""Greedy logits from a quarter of the LM head's bytes: int8 weights, a proven error bound, fp32 where it matters.
+
+A one-row step of the default model streams 540 MB of fp32 weights; the LM head (49152 × 576, tied to the
+embeddings) is 113 MB of it. Greedy verification reads one thing from a row's logits: its argmax. So within
+`argmax_logits(model)` the LM head computes every row from int8 copies of its weights (one scale per vocabulary
+row, `streamed_gemm.quantize`) together with, per token v, a bound b_v on how far that approximation a_v can be
+from the logit l_v the fp32 LM head computes:
+
+    |l_v − a_v| ≤ ‖h‖₂ · (e_v + γ_K (s_v ‖q_v‖₂ + ‖w_v‖₂)) = b_v,
+
+where h is the row's input, w_v the fp32 weight row, s_v · q_v its int8 rounding, e_v = ‖s_v q_v − w_v‖₂ (computed
+once, in float64), and γ_K = K·u / (1 − K·u) (u = 2⁻²⁴) bounds the rounding of a K-term chain of fused
+multiply-adds, which is how both kernels sum (Cauchy–Schwarz turns the elementwise bounds into norms). a_v is
+formed in float64 from the kernel's float32 sum, so no rounding of it enters; the slack is then inflated by 1%
+and an absolute 2⁻⁴⁰·|a_v| covers the float64 arithmetic of the bound itself.
+
+Any token whose upper bound a_v + b_v falls below the best lower bound max_u (a_u − b_u) cannot be the argmax;
+the few that remain (the default model: 3 per row in the median, 23 at most over a measured generation)
+get their exact logits from the fp32 streamed kernel on just their weight rows — the same multiply-adds in the
+same order as the full fp32 product, so the same numbers bit for bit. Every other token gets a_v − b_v (rounded
+to float32 monotonically: never above its true logit, and strictly below the winner's). The argmax of every row
+is therefore exactly the argmax of the fp32 logits, ties included (all tokens tied at the maximum are candidates,
+and the lowest index wins as before); the other values are lower bounds, good enough for drafting (the recycling
+table reads their top-k) but not logits: sampling, logits processors, returned scores and log-probabilities
+never run inside the block (`hf.py` decides).
+
+Only model classes whose logits are the LM head's output unchanged qualify (no scaling or soft-capping after
+it), only an fp32 LM head without bias packed by `packed_linears`, and only products of the row counts the
+streamed kernel computes (so the candidates' exact values are those the plain step would compute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import numba
+import numpy as np
+import torch
+from torch import nn
+
+from . import streamed_gemm
+from .packed_linear import PackedLinear, _stamp
+
+# Causal LM classes whose forward returns `self.lm_head(hidden_states)` as the logits (transformers 5.x).
+ELIGIBLE_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                             "Phi3ForCausalLM", "GemmaForCausalLM", "GPT2LMHeadModel"})
+# More candidate tokens than this over a step's rows and the exact fp32 product of the whole head is cheaper.
+MAX_CANDIDATES = 4096
+_UNIT = 2.0 ** -24  # float32 unit roundoff
+_INFLATE = 1.01
+_CHUNK = 4096  # vocabulary rows per float64 chunk when the slack is computed (bounds the temporary memory)
+
+
+@contextlib.contextmanager
+def argmax_logits(model: nn.Module, enabled: bool = True) -> Iterator[bool]:
+    """Within the block, `model`'s LM head gives exact argmaxes from int8 weights (see the module docstring);
+    yields whether it does. Call it inside `packed_linears(model)`, only where nothing but each row's argmax (and
+    drafting) reads the logits. The head's own forward is back on exit, also on error."""
+    head = model.get_output_embeddings() if enabled else None
+    if head is None or not eligible(model, head):
+        yield False
+        return
+    head.forward = ArgmaxForward(head)
+    try:
+        yield True
+    finally:
+        del head.forward
+
+
+def eligible(model: nn.Module, head: nn.Module) -> bool:
+    """Whether `head` (`model`'s output embeddings) can compute bounded argmax logits: a model class that returns
+    the head's output as its logits, an fp32 `PackedLinear` head without bias, with the streamed kernel built."""
+    return (type(model).__name__ in ELIGIBLE_MODELS and isinstance(head, PackedLinear) and head.bias is None
+            and head.weight.dtype == torch.float32 and head.weight.device.type == "cpu"
+            and "forward" not in head.__dict__ and streamed_gemm.available())
+
+
+class ArgmaxForward:
+    """The forward installed on the LM head inside `argmax_logits`: bounded logits for the row counts the streamed
+    kernel computes, the head's own forward for everything else."""
+
+    def __init__(self, head: PackedLinear):
+        self.head = head
+        self.own_forward = type(head).forward.__get__(head)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits `[..., V]` for `x` `[..., K]` whose argmax over the last dimension is exactly the fp32 head's."""
+        packed = self.head.packed
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        if (x.dtype != torch.float32 or x.requires_grad or not packed.default_rows < rows <= packed.streamed_rows):
+            return self.own_forward(x)
+        out = bounded_head(self.head).logits(x.reshape(rows, x.shape[-1]), self.own_forward)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def bounded_head(head: PackedLinear) -> "BoundedHead":
+    """The `BoundedHead` of `head`'s current weight (built on first use, ~0.3 s for the default model; rebuilt
+    when the weight changed in place or was replaced); kept on the module."""
+    stamp = _stamp([head.linear._parameters])
+    cached = head.__dict__.get("_lookahead_bounded")
+    if cached is None or cached[0] != stamp:
+        cached = (stamp, BoundedHead(head.weight.detach()))
+        head.__dict__["_lookahead_bounded"] = cached
+    return cached[1]
+
+
+class BoundedHead:
+    """An fp32 LM head weight [V, K] with its int8 copy and per-token slack: `logits(x)` as the module docstring
+    describes."""
+
+    def __init__(self, weight: torch.Tensor):
+        if weight.dtype != torch.float32 or weight.dim() != 2 or not bool(torch.isfinite(weight).all()):
+            raise ValueError(f"a bounded head needs a finite 2-D float32 weight, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        self.weight = weight
+        quantized = streamed_gemm.quantize(weight)
+        self.scales = quantized.scales.double().numpy()  # float32 values, exact in float64
+        self.sums = replace(quantized, scales=None)  # the kernel's unscaled sums; scaled in float64 below
+        self.slack = slack(weight, quantized.scales).numpy()
+
+    def logits(self, x: torch.Tensor, exact: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """[M, V] for x [M, K]: exact fp32 logits for every token that could be its row's argmax, a lower bound of
+        the logit for every other token (see the module docstring). `exact(x)`, the fp32 head, computes them all
+        instead when x is not finite or too many tokens remain."""
+        norms = torch.linalg.vector_norm(x.double(), dim=1)
+        if not bool(torch.isfinite(norms).all()):
+            return exact(x)
+        sums = streamed_gemm.product(x, self.sums).numpy()
+        out, best = torch.empty(sums.shape, dtype=torch.float32), np.empty(sums.shape[0])
+        _lower_bounds(sums, self.scales, self.slack, norms.numpy(), out.numpy(), best)
+        reach = np.empty(sums.shape, dtype=np.bool_)
+        _reaching(sums, self.scales, self.slack, norms.numpy(), best, reach)
+        tokens = np.flatnonzero(reach.any(axis=0) if len(reach) > 1 else reach[0])
+        if len(tokens) > MAX_CANDIDATES:
+            return exact(x)
+        tokens = torch.from_numpy(tokens)
+        out[:, tokens] = streamed_gemm.product(x, streamed_gemm.pack(self.weight[tokens]))
+        return out
+
+
+def slack(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Per token v, float64 [V]: 1.01 · (e_v + γ_K (s_v ‖q_v‖₂ + ‖w_v‖₂)) for the fp32 rows `weight` [V, K] and
+    their int8 rounding q_v = round(w_v / s_v) with `scales` s [V] (as `streamed_gemm.quantize` rounds them)."""
+    k = weight.shape[1]
+    gamma = k * _UNIT / (1 - k * _UNIT)
+    out = torch.empty(weight.shape[0], dtype=torch.float64)
+    for start in range(0, weight.shape[0], _CHUNK):
+        rows = weight[start: start + _CHUNK].double()
+        scale = scales[start: start + _CHUNK].double().unsqueeze(1)
+        rounded = (rows.float() / scale.float()).round().clamp(-127, 127).double() * scale  # s_v · q_v, exactly
+        error = torch.linalg.vector_norm(rounded - rows, dim=1)
+        size = torch.linalg.vector_norm(rounded, dim=1) + torch.linalg.vector_norm(rows, dim=1)
+        out[start: start + _CHUNK] = _INFLATE * (error + gamma * size)
+    return out
+
+
+@numba.njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _lower_bounds(sums, scales, slack, norms, out, best):  # pragma: no cover - compiled
+    """For each row m (rows in parallel): a_v = sums[m, v] · scales[v] and b_v = norms[m] · slack[v] + 2⁻⁴⁰|a_v|
+    in float64; out[m, v] = a_v − b_v rounded to float32; best[m] = max_v (a_v − b_v). (fastmath lets the maximum
+    vectorize; any reassociation or contraction it allows moves these float64 numbers by ~1e-16 of their size,
+    far inside the 1% and 2⁻⁴⁰ margins of the bound.)"""
+    rows, vocab = sums.shape
+    for m in numba.prange(rows):
+        top = -np.inf
+        for v in range(vocab):
+            a = sums[m, v] * scales[v]
+            low = a - (norms[m] * slack[v] + abs(a) * 2.0 ** -40)
+            out[m, v] = low
+            top = max(top, low)
+        best[m] = top
+
+
+@numba.njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _reaching(sums, scales, slack, norms, best, reach):  # pragma: no cover - compiled
+    """reach[m, v] = whether token v's upper bound a_v + b_v in row m reaches best[m] (rows in parallel)."""
+    rows, vocab = sums.shape
+    for m in numba.prange(rows):
+        for v in range(vocab):
+            a = sums[m, v] * scales[v]
+            reach[m, v] = a + (norms[m] * slack[v] + abs(a) * 2.0 ** -40) >= best[m]
