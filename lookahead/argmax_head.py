@@ -12,17 +12,17 @@ where h is the row's input, w_v the fp32 weight row, s_v · q_v its int8 roundin
 once, in float64), and γ_K = K·u / (1 − K·u) (u = 2⁻²⁴) bounds the rounding of a K-term chain of fused
 multiply-adds, which is how both kernels sum (Cauchy–Schwarz turns the elementwise bounds into norms). a_v is
 formed in float64 from the kernel's float32 sum, so no rounding of it enters; the slack is then inflated by 1%
-and an absolute 2⁻⁴⁰·|a_v| covers the float64 arithmetic of the bound itself.
+and 2⁻²²·|a_v| is added, which covers the float64 arithmetic of the bound and the float32 rounding of a_v.
 
 Any token whose upper bound a_v + b_v falls below the best lower bound max_u (a_u − b_u) cannot be the argmax;
 the few that remain (the default model: 3 per row in the median, 23 at most over a measured generation)
 get their exact logits from the fp32 streamed kernel on just their weight rows — the same multiply-adds in the
-same order as the full fp32 product, so the same numbers bit for bit. Every other token gets a_v − b_v (rounded
-to float32 monotonically: never above its true logit, and strictly below the winner's). The argmax of every row
-is therefore exactly the argmax of the fp32 logits, ties included (all tokens tied at the maximum are candidates,
-and the lowest index wins as before); the other values are lower bounds, good enough for drafting (the recycling
-table reads their top-k) but not logits: sampling, logits processors, returned scores and log-probabilities
-never run inside the block (`hf.py` decides).
+same order as the full fp32 product, so the same numbers bit for bit. Every other token keeps its approximation
+a_v rounded to float32, at most 2⁻²⁴|a_v| above a_v, so below a_v + b_v < max_u (a_u − b_u) ≤ the winner's exact
+logit: strictly below it. The argmax of every row is therefore exactly the argmax of the fp32 logits, ties included (all tokens tied
+at the maximum are candidates, and the lowest index wins as before); the other values are the int8 head's,
+good enough for drafting (the recycling table reads their top-k) but not logits: sampling, logits processors,
+returned scores and log-probabilities never run inside the block (`hf.py` decides).
 
 Only model classes whose logits are the LM head's output unchanged qualify (no scaling or soft-capping after
 it), only an fp32 LM head without bias packed by `packed_linears`, and only products of the row counts the
@@ -116,20 +116,21 @@ class BoundedHead:
                              f"{tuple(weight.shape)}")
         self.weight = weight
         quantized = streamed_gemm.quantize(weight)
-        self.scales = quantized.scales.double().numpy()  # float32 values, exact in float64
+        self.scales32 = quantized.scales.numpy()
+        self.scales = quantized.scales.double().numpy()  # the same values, for exact float64 products
         self.sums = replace(quantized, scales=None)  # the kernel's unscaled sums; scaled in float64 below
         self.slack = slack(weight, quantized.scales).numpy()
 
     def logits(self, x: torch.Tensor, exact: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """[M, V] for x [M, K]: exact fp32 logits for every token that could be its row's argmax, a lower bound of
-        the logit for every other token (see the module docstring). `exact(x)`, the fp32 head, computes them all
+        """[M, V] for x [M, K]: exact fp32 logits for every token that could be its row's argmax, the int8
+        approximation (below the row's maximum) for every other token (see the module docstring). `exact(x)`, the fp32 head, computes them all
         instead when x is not finite or too many tokens remain."""
         norms = torch.linalg.vector_norm(x.double(), dim=1)
         if not bool(torch.isfinite(norms).all()):
             return exact(x)
         sums = streamed_gemm.product(x, self.sums).numpy()
         out, best = torch.empty(sums.shape, dtype=torch.float32), np.empty(sums.shape[0])
-        _lower_bounds(sums, self.scales, self.slack, norms.numpy(), out.numpy(), best)
+        _approximations(sums, self.scales, self.scales32, self.slack, norms.numpy(), out.numpy(), best)
         reach = np.empty(sums.shape, dtype=np.bool_)
         _reaching(sums, self.scales, self.slack, norms.numpy(), best, reach)
         tokens = np.flatnonzero(reach.any(axis=0) if len(reach) > 1 else reach[0])
@@ -157,19 +158,19 @@ def slack(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 @numba.njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _lower_bounds(sums, scales, slack, norms, out, best):  # pragma: no cover - compiled
-    """For each row m (rows in parallel): a_v = sums[m, v] · scales[v] and b_v = norms[m] · slack[v] + 2⁻⁴⁰|a_v|
-    in float64; out[m, v] = a_v − b_v rounded to float32; best[m] = max_v (a_v − b_v). (fastmath lets the maximum
-    vectorize; any reassociation or contraction it allows moves these float64 numbers by ~1e-16 of their size,
-    far inside the 1% and 2⁻⁴⁰ margins of the bound.)"""
+def _approximations(sums, scales, scales32, slack, norms, out, best):  # pragma: no cover - compiled
+    """For each row m (rows in parallel): a_v = sums[m, v] · scales[v] and b_v = norms[m] · slack[v] + 2⁻²²|a_v|
+    in float64; out[m, v] = the float32 product sums[m, v] · scales32[v] (a_v rounded to nearest: within
+    2⁻²⁴|a_v| of it, which the 2⁻²² term covers); best[m] = max_v (a_v − b_v). (fastmath lets the loop vectorize;
+    any reassociation or contraction it allows moves these float64 numbers by ~1e-16 of their size, far inside
+    the margins of the bound.)"""
     rows, vocab = sums.shape
     for m in numba.prange(rows):
         top = -np.inf
         for v in range(vocab):
             a = sums[m, v] * scales[v]
-            low = a - (norms[m] * slack[v] + abs(a) * 2.0 ** -40)
-            out[m, v] = low
-            top = max(top, low)
+            out[m, v] = sums[m, v] * scales32[v]
+            top = max(top, a - (norms[m] * slack[v] + abs(a) * 2.0 ** -22))
         best[m] = top
 
 
@@ -180,4 +181,4 @@ def _reaching(sums, scales, slack, norms, best, reach):  # pragma: no cover - co
     for m in numba.prange(rows):
         for v in range(vocab):
             a = sums[m, v] * scales[v]
-            reach[m, v] = a + (norms[m] * slack[v] + abs(a) * 2.0 ** -40) >= best[m]
+            reach[m, v] = a + (norms[m] * slack[v] + abs(a) * 2.0 ** -22) >= best[m]

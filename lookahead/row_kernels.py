@@ -2,15 +2,17 @@
 
 Three kernels can compute the packed linear layers' products (`packed_linear`): PyTorch's default matmul on the
 model's own weights (MKL: quick for 1–3 rows on some Intel CPUs), the streamed kernel (`streamed_gemm`: the
-weights streamed once for up to 16 rows) and oneDNN's prepacked product (the fallback, and what large products
-such as a prompt's prefill use without the streamed kernel). Which is faster for k rows depends on the CPU, so it
-is measured: every packed weight's product of k random rows on each kernel, kernels and row counts interleaved, a
-low quantile per kernel.
+weights streamed once for up to 16 rows) and oneDNN's prepacked product (what large products such as a prompt's
+prefill use without the streamed kernel). Which is faster for k rows depends on the CPU, so it is measured: every
+packed weight's product of k random rows on each kernel, kernels and row counts interleaved, a low quantile per
+kernel.
 The answer is two row counts (`RowKernels`): up to `default_rows` rows the default matmul, up to `streamed_rows`
 the streamed kernel, above that oneDNN — or the default matmul when the streamed kernel is used at all (no copy of
-the weights in oneDNN's layout then; `packed_linear`). It is cached in memory and on disk beside the cost curve,
-per model and machine (only the linear products are timed, so the attention and decoder-layer choices do not
-matter).
+the weights in oneDNN's layout then; `packed_linear`). So where the streamed kernel is available it is weighed
+against the default matmul, the kernel that computes what it declines, and oneDNN is neither timed nor built;
+only when it wins at no row count is the choice measured again between the default matmul and oneDNN. The
+choice is cached in memory and on disk beside the cost curve, per model and machine (only the linear products
+are timed, so the attention and decoder-layer choices do not matter).
 """
 
 from __future__ import annotations
@@ -108,20 +110,23 @@ def _read(path, streamed: bool) -> RowKernels | None:
 @torch.no_grad()
 def measure_row_kernels(model, repeats: int = 7, budget_seconds: float = MEASURE_BUDGET,
                         streamed: bool | None = None) -> RowKernels:
-    """Time all of the model's packed products on each kernel: `streamed_rows` is the largest probe row count
-    such that at it and every smaller probe the streamed kernel needs at most KERNEL_MARGIN of oneDNN's time (0
-    when the kernel is not available here); `default_rows` the largest r <= MAX_DEFAULT_ROWS such that for every
-    row count up to r the default matmul needs at most KERNEL_MARGIN of the time of the kernel used otherwise.
-    Up to `repeats` timed rounds after a warm-up: fewer (at least 2) when the first shows that `repeats` would
-    take longer than `budget_seconds` (a large model streams gigabytes per round). `streamed=False` leaves the
-    streamed kernel out (None: in when available)."""
+    """Time all of the model's packed products on each kernel. `default_rows` is the largest r <=
+    MAX_DEFAULT_ROWS such that for every row count up to r the default matmul needs at most KERNEL_MARGIN of the
+    time of the other kernel (the streamed one where it is available, else oneDNN). With the streamed kernel,
+    `streamed_rows` is the largest probe row count above `default_rows` such that at it and every probe between
+    them the default matmul needs more than KERNEL_MARGIN of the streamed kernel's time (it does not clearly
+    win); when there is none, the choice is measured again without the streamed kernel. Up to `repeats` timed
+    rounds after a warm-up: fewer (at least 2) when the first shows that `repeats` would take longer than
+    `budget_seconds` (a large model streams gigabytes per round). `streamed=False` leaves the streamed kernel out
+    (None: in when available)."""
     from . import streamed_gemm
     from .packed_linear import packed_weights
 
     weights = packed_weights(model)
     if not weights:
         return RowKernels()
-    plan = _plan(streamed_gemm.available() if streamed is None else streamed and streamed_gemm.available())
+    streamed = streamed_gemm.available() if streamed is None else streamed and streamed_gemm.available()
+    plan = _plan(streamed)
     times = {entry: [] for entry in plan}
     _time_round(weights, plan, {entry: [] for entry in plan})  # warm-up: builds the layouts, first calls
     start = time.perf_counter()
@@ -130,33 +135,39 @@ def measure_row_kernels(model, repeats: int = 7, budget_seconds: float = MEASURE
     for _ in range(rounds - 1):
         _time_round(weights, plan, times)
     low = {entry: float(np.quantile(seconds, CURVE_QUANTILE)) for entry, seconds in times.items()}
-    return _choose(low)
+    if not streamed:
+        return RowKernels(_default_rows(low, "packed"), 0)
+    chosen = _choose_streamed(low)
+    if not chosen.streamed_rows:
+        return measure_row_kernels(model, repeats, budget_seconds, streamed=False)
+    return chosen
 
 
 def _plan(streamed: bool) -> list[tuple[int, str]]:
-    """(row count, kernel) pairs to time: the default matmul at 1..MAX_DEFAULT_ROWS rows, oneDNN and (when
-    available) the streamed kernel there and at every probe."""
+    """(row count, kernel) pairs to time: with the streamed kernel, it and the default matmul at 1..MAX_DEFAULT_ROWS
+    rows and at every probe; without it, the default matmul and oneDNN at 1..MAX_DEFAULT_ROWS rows."""
     rows = sorted(set(range(1, MAX_DEFAULT_ROWS + 1)) | (set(STREAMED_PROBES) if streamed else set()))
-    plan = [(r, "default") for r in range(1, MAX_DEFAULT_ROWS + 1)]
-    for name in ("packed", "streamed") if streamed else ("packed",):
-        plan += [(r, name) for r in rows]
-    return plan
+    return [(r, name) for name in ("default", "streamed" if streamed else "packed") for r in rows]
 
 
-def _choose(low: dict[tuple[int, str], float]) -> RowKernels:
-    """The `RowKernels` the low-quantile seconds per (row count, kernel) imply (see `measure_row_kernels`)."""
-    streamed_rows = 0
-    if any(name == "streamed" for _, name in low):
-        for rows in STREAMED_PROBES:
-            if low[rows, "streamed"] > KERNEL_MARGIN * low[rows, "packed"]:
-                break
-            streamed_rows = rows
-    default_rows = 0
-    for rows in range(1, MAX_DEFAULT_ROWS + 1):
-        other = low[rows, "streamed" if rows <= streamed_rows else "packed"]
-        if low[rows, "default"] > KERNEL_MARGIN * other:
+def _default_rows(low: dict[tuple[int, str], float], other: str) -> int:
+    """The largest r <= MAX_DEFAULT_ROWS such that at every row count up to r the default matmul needs at most
+    KERNEL_MARGIN of kernel `other`'s low-quantile time."""
+    rows = 0
+    while rows < MAX_DEFAULT_ROWS and low[rows + 1, "default"] <= KERNEL_MARGIN * low[rows + 1, other]:
+        rows += 1
+    return rows
+
+
+def _choose_streamed(low: dict[tuple[int, str], float]) -> RowKernels:
+    """The `RowKernels` the low-quantile seconds of the default matmul and the streamed kernel imply (see
+    `measure_row_kernels`); streamed rows 0 when the streamed kernel does not hold at the first probe above the
+    default matmul's rows."""
+    default_rows, streamed_rows = _default_rows(low, "streamed"), 0
+    for rows in (r for r in STREAMED_PROBES if r > default_rows):
+        if low[rows, "default"] <= KERNEL_MARGIN * low[rows, "streamed"]:
             break
-        default_rows = rows
+        streamed_rows = rows
     return RowKernels(default_rows, streamed_rows)
 
 

@@ -53,25 +53,40 @@ STREAM_FAST = lambda r: 2.0 + 0.02 * r  # noqa: E731 — the streamed kernel: ne
 ONEDNN = lambda r: 2.5 + 0.1 * r  # noqa: E731
 
 
-@pytest.mark.parametrize("default_ms, expected", [(lambda r: 1.0 * r, 1), (lambda r: 3.0, 0),
-                                                  (lambda r: 1.0, 4), (lambda r: 1.5 if r != 2 else 9.0, 1)])
-def test_the_default_matmul_takes_the_rows_where_it_beats_the_kernel_used_otherwise(monkeypatch, default_ms,
-                                                                                   expected):
-    found, _ = _measure(monkeypatch, {"default": default_ms, "packed": ONEDNN, "streamed": STREAM_FAST}, repeats=2)
-    assert found == RowKernels(expected, 32)  # the streamed kernel wins at every probe
-    found, _ = _measure(monkeypatch, {"default": lambda r: 1.6 + 0.4 * r, "packed": ONEDNN, "streamed": STREAM_FAST},
-                        streamed=False, repeats=2)
-    assert found == RowKernels(2, 0)  # without the streamed kernel the default matmul is measured against oneDNN
+@pytest.mark.parametrize("default_ms, expected", [(lambda r: 1.0 * r, RowKernels(1, 32)),
+                                                  (lambda r: 3.0, RowKernels(0, 32)),
+                                                  (lambda r: 1.5 if r != 2 else 9.0, RowKernels(1, 2))])
+def test_the_default_matmul_takes_the_rows_where_it_beats_the_streamed_kernel(monkeypatch, default_ms, expected):
+    found, clock = _measure(monkeypatch, {"default": default_ms, "packed": ONEDNN, "streamed": STREAM_FAST},
+                            repeats=2)
+    assert found == expected
+    assert clock.calls["packed"] == 0  # oneDNN is neither timed nor built when the streamed kernel is used
 
 
-@pytest.mark.parametrize("streamed_ms, expected", [(STREAM_FAST, 32), (lambda r: 2.0 if r <= 8 else 9.0, 8),
-                                                   (lambda r: 9.0 if r == 1 else 2.0, 0),
-                                                   (lambda r: 0.97 * ONEDNN(r), 0)])
-def test_the_streamed_kernel_takes_the_probes_up_to_the_first_it_does_not_clearly_win(monkeypatch, streamed_ms,
-                                                                                      expected):
+def test_without_the_streamed_kernel_the_default_matmul_is_weighed_against_onednn(monkeypatch):
+    found, clock = _measure(monkeypatch, {"default": lambda r: 1.6 + 0.4 * r, "packed": ONEDNN,
+                                          "streamed": STREAM_FAST}, streamed=False, repeats=2)
+    assert found == RowKernels(2, 0) and clock.calls["streamed"] == 0
+
+
+@pytest.mark.parametrize("streamed_ms, expected", [(STREAM_FAST, RowKernels(0, 32)),
+                                                   (lambda r: 2.0 if r <= 8 else 9.0, RowKernels(0, 8)),
+                                                   (lambda r: 9.0 if r == 1 else 2.0, RowKernels(1, 32)),
+                                                   (lambda r: 0.97 * 5.0, RowKernels(0, 32))])
+def test_the_streamed_kernel_takes_the_probes_up_to_the_first_where_the_default_matmul_clearly_wins(
+        monkeypatch, streamed_ms, expected):
+    """Above the default matmul's rows the streamed kernel keeps a probe unless the default matmul (what computes
+    the larger products then) needs at most KERNEL_MARGIN of its time there."""
     found, _ = _measure(monkeypatch, {"default": lambda r: 5.0, "packed": ONEDNN, "streamed": streamed_ms},
                         repeats=2)
-    assert found == RowKernels(0, expected)
+    assert found == expected
+
+
+def test_a_streamed_kernel_that_never_wins_hands_the_choice_to_the_default_matmul_and_onednn(monkeypatch):
+    found, clock = _measure(monkeypatch, {"default": lambda r: 1.0, "packed": ONEDNN, "streamed": STREAM_FAST},
+                            repeats=2)
+    assert found == RowKernels(4, 0)  # the default matmul wins up to its 4 rows, oneDNN computes the rest
+    assert clock.calls["packed"] > 0
 
 
 def test_nothing_packable_measures_nothing():
@@ -82,8 +97,9 @@ def test_a_model_that_streams_slowly_gets_fewer_rounds(monkeypatch):
     slow = lambda r: 900.0  # noqa: E731 — a pass over the weights takes ~1 s: a round ~20 s
     found, clock = _measure(monkeypatch, {"default": slow, "packed": slow, "streamed": slow}, repeats=7,
                             budget_seconds=3.0)
-    assert found == RowKernels(0, 0)
-    assert clock.calls["default"] == (1 + 2) * 4 * WEIGHTS  # the warm-up and the minimum of 2 timed rounds, not 7
+    assert found == RowKernels(0, 32)  # a tie: the streamed kernel keeps its rows
+    rows = len(set(range(1, row_kernels.MAX_DEFAULT_ROWS + 1)) | set(row_kernels.STREAMED_PROBES))
+    assert clock.calls["default"] == (1 + 2) * rows * WEIGHTS  # the warm-up and the minimum of 2 timed rounds, not 7
 
 
 def test_row_kernels_for_caches_on_disk_and_in_memory_and_keys_the_curve(tmp_path, monkeypatch):
