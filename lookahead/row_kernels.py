@@ -32,6 +32,9 @@ MAX_DEFAULT_ROWS = 4  # the default matmul is tried for products of 1..this many
 STREAMED_PROBES = (1, 2, 4, 8, 16, 24, 32)  # row counts the streamed kernel is timed at
 KERNEL_MARGIN = 0.95  # a kernel is taken where it needs at most this share of the other kernel's time
 MEASURE_BUDGET = 3.0  # seconds the timed rounds may take (at least 2 rounds)
+# Part of the cache key: choices measured by an earlier rule are measured again (2: the streamed kernel is weighed
+# against the default matmul, no longer against oneDNN).
+CHOICE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ def row_kernels_for(model, refresh: bool = False, quiet: bool = False) -> RowKer
     0's answer."""
     from . import streamed_gemm
 
-    key = digest(model_parts(model) + ["row-kernels", f"streamed={streamed_gemm.available()}"])
+    key = digest(model_parts(model) + [f"row-kernels-{CHOICE_VERSION}", f"streamed={streamed_gemm.available()}"])
     path = cache_dir() / "cost" / f"{key}-row-kernels.json"
     found = _MEMORY.get(key) if not refresh else None
     if found is None and not refresh and path.exists():
