@@ -76,6 +76,22 @@ def test_default_model_identical_to_plain_greedy(default_model, case):
     _assert_same_or_near_tie(model, prompt, fast)
 
 
+@pytest.mark.parametrize("index", [0, 4, 8, 10])
+def test_default_model_bounded_head_gives_the_fp32_heads_tokens(default_model, index):
+    """Every step's LM head on the bounded int8 head (`argmax_head.py`) and every step on the fp32 head: the same
+    tokens exactly (not merely up to near ties: the argmax is proven the fp32 head's), speculating and not, and
+    the same as plain greedy up to near ties."""
+    model, tokenizer = default_model
+    _, text, chat = _cases()[index]
+    prompt = _encode(tokenizer, text, chat)
+    every_step = dict(default_matmul_rows=0, streamed_matmul_rows=16)
+    runs = [model.generate(prompt, do_sample=False, max_new_tokens=MAX_NEW_TOKENS,
+                           custom_generate=Lookahead(config.with_overrides(**every_step, argmax_head=bounded)))
+            for config in (LookaheadConfig(), LookaheadConfig.off()) for bounded in (True, False)]
+    assert all(torch.equal(run, runs[0]) for run in runs[1:])
+    _assert_same_or_near_tie(model, prompt, runs[0])
+
+
 def test_default_model_speculation_pays_on_grounded_text(default_model):
     """Acceptance check (not timing): copying-heavy prompts commit well over one token per step. The planner plans
     on the fixed injected curve, not corrected by this machine's step timings (a busy machine made every extra row
