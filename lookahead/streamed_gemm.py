@@ -33,6 +33,8 @@ from llvmlite import ir as llvm_ir
 from numba.core import types as nb_types
 from numba.extending import intrinsic
 
+from .compiled_ir import compiled_address, host_features
+
 # Weight vectors prefetched ahead: 4 KB with AVX-512 (measured: 4–32 too close, 128–256 no better, 512 worse). A
 # prefetch past the end of the panels is harmless (x86 prefetches never fault).
 PREFETCH_STEPS = 64
@@ -66,30 +68,37 @@ def pack_stacked(weights: list[torch.Tensor], bias: torch.Tensor | None = None) 
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] != weights[0].shape[1]:
             raise ValueError(f"streamed_gemm packs 2-D float32 weights of one width, got {weight.dtype} "
                              f"{tuple(weight.shape)}")
-    width, k = vector_width(), weights[0].shape[1]
-    n = sum(weight.shape[0] for weight in weights)
-    panels = torch.empty(-(-n // width), k, width, dtype=torch.float32)  # [N_pad / P, K, P]
-    rows = panels.permute(0, 2, 1)  # [N_pad / P, P, K]: row r of the stack is rows[r // P, r % P]
-    start = 0
-    for weight in weights:
-        _fill_rows(rows, weight.detach(), start)
-        start += weight.shape[0]
-    if n % width:
-        rows[n // width, n % width:] = 0.0  # the padding rows
-    return StreamedWeight(panels, n, None if bias is None else bias.detach().contiguous())
+    panels = _panels([weight.detach() for weight in weights], torch.float32)
+    return StreamedWeight(panels, sum(w.shape[0] for w in weights),
+                          None if bias is None else bias.detach().contiguous())
 
 
 def quantize(weight: torch.Tensor) -> StreamedWeight:
-    """An fp32 weight [N, K] rounded to int8 panels with one scale per output row (max |w| / 127, symmetric):
-    a quarter of the bytes to stream, for products that only need to be near (see `argmax_head`). Raises
-    `ValueError` for another dtype or shape."""
-    packed = pack(weight)  # validates; float32 panels, then rounded in place of a second full-size temporary
-    scales = weight.detach().abs().amax(dim=1) / 127.0
+    """An fp32 weight [N, K] rounded to int8 panels with one scale per output row (max |w| / 127, symmetric; an
+    all-zero row gets scale 1): a quarter of the bytes to stream, for products that only need to be near (see
+    `argmax_head`). Raises `ValueError` for another dtype or shape."""
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        raise ValueError(f"streamed_gemm quantizes 2-D float32 weights, got {weight.dtype} {tuple(weight.shape)}")
+    weight = weight.detach()
+    scales = weight.abs().amax(dim=1) / 127.0
     scales[scales == 0] = 1.0
-    padded = torch.ones(packed.panels.shape[0] * packed.panels.shape[2], dtype=torch.float32)
-    padded[: scales.numel()] = scales
-    rounded = packed.panels.div_(padded.view(-1, 1, packed.panels.shape[2])).round_().clamp_(-127, 127)
-    return StreamedWeight(rounded.to(torch.int8), weight.shape[0], None, scales.contiguous())
+    rounded = (weight / scales.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8)
+    return StreamedWeight(_panels([rounded], torch.int8), weight.shape[0], None, scales.contiguous())
+
+
+def _panels(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Panels [N_pad / P, K, P] of `dtype` holding the rows of `weights` (each [N_i, K]) stacked, zero padded."""
+    width, k = vector_width(), weights[0].shape[1]
+    n = sum(weight.shape[0] for weight in weights)
+    panels = torch.empty(-(-n // width), k, width, dtype=dtype)
+    rows = panels.permute(0, 2, 1)  # [N_pad / P, P, K]: row r of the stack is rows[r // P, r % P]
+    start = 0
+    for weight in weights:
+        _fill_rows(rows, weight, start)
+        start += weight.shape[0]
+    if n % width:
+        rows[n // width, n % width:] = 0  # the padding rows
+    return panels
 
 
 def _fill_rows(rows: torch.Tensor, weight: torch.Tensor, start: int) -> None:
@@ -143,7 +152,7 @@ def available() -> bool:
     (OpenMP or TBB: numba's fallback "workqueue" layer aborts the process when two threads launch at once, and
     measured 2x slower here)."""
     try:
-        features = _host_features()
+        features = host_features()
         if "+fma" not in features and "+avx512f" not in features:
             return False
         generator = torch.Generator().manual_seed(0)
@@ -159,7 +168,7 @@ def available() -> bool:
 @functools.cache
 def vector_width() -> int:
     """Floats per vector register the kernels use: 16 with AVX-512, else 8."""
-    return 16 if "+avx512f" in _host_features() else 8
+    return 16 if "+avx512f" in host_features() else 8
 
 
 def rows_per_pass() -> int:
@@ -227,35 +236,14 @@ def module_ir(width: int, max_rows: int, weights: str = "float32") -> str:
     return "\n".join(parts + body)
 
 
-def _host_features() -> str:
-    import llvmlite.binding as llvm
-
-    return llvm.get_host_cpu_features().flatten()
-
-
-_ENGINES: list = []  # compiled modules stay alive for the process (their code is called by address)
-
-
 @functools.cache
 def _kernel_address(weights: str = "float32") -> int:
     """Address of the compiled `streamed_rows` dispatcher for panels of `weights` ("float32" or "int8"; each
-    compiled on first use, ~0.1 s)."""
-    import llvmlite.binding as llvm
-
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
-    machine = llvm.Target.from_default_triple().create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=_host_features(), opt=3)
+    compiled on first use, ~0.15 s, or loaded from the disk cache, ~3 ms: `compiled_ir`)."""
     if weights not in ("float32", "int8"):
         raise ValueError(f"streamed_gemm computes float32 or int8 panels, got {weights}")
-    module = llvm.parse_assembly(module_ir(vector_width(), rows_per_pass(), weights))
-    module.verify()
-    passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
-    passes.getModulePassManager().run(module, passes)
-    engine = llvm.create_mcjit_compiler(module, machine)
-    engine.finalize_object()
-    _ENGINES.append((engine, module))
-    return engine.get_function_address("streamed_rows")
+    ir = module_ir(vector_width(), rows_per_pass(), weights)
+    return compiled_address(ir, "streamed_rows", f"streamed-{weights}-{vector_width()}")
 
 
 @intrinsic
