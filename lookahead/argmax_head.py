@@ -50,7 +50,6 @@ ELIGIBLE_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCa
 MAX_CANDIDATES = 4096
 _UNIT = 2.0 ** -24  # float32 unit roundoff
 _INFLATE = 1.01
-_CHUNK = 4096  # vocabulary rows per float64 chunk when the slack is computed (bounds the temporary memory)
 
 
 @contextlib.contextmanager
@@ -111,15 +110,17 @@ class BoundedHead:
     describes."""
 
     def __init__(self, weight: torch.Tensor):
-        if weight.dtype != torch.float32 or weight.dim() != 2 or not bool(torch.isfinite(weight).all()):
-            raise ValueError(f"a bounded head needs a finite 2-D float32 weight, got {weight.dtype} "
-                             f"{tuple(weight.shape)}")
+        problem = f"a bounded head needs a finite 2-D float32 weight, got {weight.dtype} {tuple(weight.shape)}"
+        if weight.dtype != torch.float32 or weight.dim() != 2:
+            raise ValueError(problem)
         self.weight = weight
         quantized = streamed_gemm.quantize(weight)
+        self.slack = slack(weight, quantized.scales).numpy()
+        if not np.isfinite(self.slack).all():  # a non-finite weight makes its row's slack non-finite
+            raise ValueError(problem)
         self.scales32 = quantized.scales.numpy()
         self.scales = quantized.scales.double().numpy()  # the same values, for exact float64 products
         self.sums = replace(quantized, scales=None)  # the kernel's unscaled sums; scaled in float64 below
-        self.slack = slack(weight, quantized.scales).numpy()
 
     def logits(self, x: torch.Tensor, exact: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """[M, V] for x [M, K]: exact fp32 logits for every token that could be its row's argmax, the int8
@@ -145,16 +146,26 @@ def slack(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Per token v, float64 [V]: 1.01 · (e_v + γ_K (s_v ‖q_v‖₂ + ‖w_v‖₂)) for the fp32 rows `weight` [V, K] and
     their int8 rounding q_v = round(w_v / s_v) with `scales` s [V] (as `streamed_gemm.quantize` rounds them)."""
     k = weight.shape[1]
-    gamma = k * _UNIT / (1 - k * _UNIT)
-    out = torch.empty(weight.shape[0], dtype=torch.float64)
-    for start in range(0, weight.shape[0], _CHUNK):
-        rows = weight[start: start + _CHUNK].double()
-        scale = scales[start: start + _CHUNK].double().unsqueeze(1)
-        rounded = (rows.float() / scale.float()).round().clamp(-127, 127).double() * scale  # s_v · q_v, exactly
-        error = torch.linalg.vector_norm(rounded - rows, dim=1)
-        size = torch.linalg.vector_norm(rounded, dim=1) + torch.linalg.vector_norm(rows, dim=1)
-        out[start: start + _CHUNK] = _INFLATE * (error + gamma * size)
-    return out
+    out = np.empty(weight.shape[0])
+    _slack_rows(weight.detach().contiguous().numpy(), scales.contiguous().numpy(), k * _UNIT / (1 - k * _UNIT),
+                _INFLATE, out)
+    return torch.from_numpy(out)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _slack_rows(weight, scales, gamma, inflate, out):  # pragma: no cover - compiled
+    """out[v] = inflate · (‖s_v q_v − w_v‖₂ + gamma (‖s_v q_v‖₂ + ‖w_v‖₂)) in float64, rows in parallel, with q_v
+    rounded as `streamed_gemm.quantize` rounds it (float32 division, halves to even, clamped to ±127)."""
+    for v in numba.prange(weight.shape[0]):
+        scale = scales[v]
+        error = size_q = size_w = 0.0
+        for k in range(weight.shape[1]):
+            q = min(max(np.rint(weight[v, k] / scale), np.float32(-127.0)), np.float32(127.0))
+            exact, rounded = np.float64(weight[v, k]), np.float64(q) * np.float64(scale)
+            error += (rounded - exact) ** 2
+            size_q += rounded ** 2
+            size_w += exact ** 2
+        out[v] = inflate * (np.sqrt(error) + gamma * (np.sqrt(size_q) + np.sqrt(size_w)))
 
 
 @numba.njit(cache=True, nogil=True, parallel=True, fastmath=True)

@@ -28,6 +28,7 @@ import functools
 from dataclasses import dataclass
 
 import numba
+import numpy as np
 import torch
 from llvmlite import ir as llvm_ir
 from numba.core import types as nb_types
@@ -79,11 +80,25 @@ def quantize(weight: torch.Tensor) -> StreamedWeight:
     `argmax_head`). Raises `ValueError` for another dtype or shape."""
     if weight.dtype != torch.float32 or weight.dim() != 2:
         raise ValueError(f"streamed_gemm quantizes 2-D float32 weights, got {weight.dtype} {tuple(weight.shape)}")
-    weight = weight.detach()
-    scales = weight.abs().amax(dim=1) / 127.0
-    scales[scales == 0] = 1.0
-    rounded = (weight / scales.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8)
-    return StreamedWeight(_panels([rounded], torch.int8), weight.shape[0], None, scales.contiguous())
+    source = weight.detach().contiguous()
+    scales = torch.empty(source.shape[0], dtype=torch.float32)
+    rounded = torch.empty(source.shape, dtype=torch.int8)
+    _round_rows(source.numpy(), scales.numpy(), rounded.numpy())
+    return StreamedWeight(_panels([rounded], torch.int8), source.shape[0], None, scales)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _round_rows(weight, scales, rounded):  # pragma: no cover - compiled
+    """Row by row (in parallel): scales[n] = max_k |weight[n, k]| / 127 (float32; 1 for an all-zero row) and
+    rounded[n, k] = round(weight[n, k] / scales[n]) (float32 division, halves to even) clamped to ±127."""
+    for n in numba.prange(weight.shape[0]):
+        top = np.float32(0.0)
+        for k in range(weight.shape[1]):
+            top = max(top, abs(weight[n, k]))
+        scale = top / np.float32(127.0) if top > 0 else np.float32(1.0)
+        scales[n] = scale
+        for k in range(weight.shape[1]):
+            rounded[n, k] = min(max(np.rint(weight[n, k] / scale), np.float32(-127.0)), np.float32(127.0))
 
 
 def _panels(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -107,6 +107,8 @@ def test_bad_weights_are_refused():
         BoundedHead(torch.randn(4, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="finite 2-D float32"):
         BoundedHead(torch.tensor([[1.0, float("inf")]]))
+    with pytest.raises(ValueError, match="finite 2-D float32"):
+        BoundedHead(torch.tensor([[1.0, 2.0], [float("nan"), 0.5]]))
 
 
 def test_the_bounded_head_is_rebuilt_when_the_weight_changes():
