@@ -19,10 +19,10 @@ the few that remain (the default model: 3 per row in the median, 23 at most over
 get their exact logits from the fp32 streamed kernel on just their weight rows — the same multiply-adds in the
 same order as the full fp32 product, so the same numbers bit for bit. Every other token keeps its approximation
 a_v rounded to float32, at most 2⁻²⁴|a_v| above a_v, so below a_v + b_v < max_u (a_u − b_u) ≤ the winner's exact
-logit: strictly below it. The argmax of every row is therefore exactly the argmax of the fp32 logits, ties included (all tokens tied
-at the maximum are candidates, and the lowest index wins as before); the other values are the int8 head's,
-good enough for drafting (the recycling table reads their top-k) but not logits: sampling, logits processors,
-returned scores and log-probabilities never run inside the block (`hf.py` decides).
+logit: strictly below it. The argmax of every row is therefore exactly the argmax of the fp32 logits, ties
+included (all tokens tied at the maximum are candidates, and the lowest index wins as before); the other values
+are the int8 head's, good enough for drafting (the recycling table reads their top-k) but not logits: sampling,
+logits processors, returned scores and log-probabilities never run inside the block (`hf.py` decides).
 
 Only model classes whose logits are the LM head's output unchanged qualify (no scaling or soft-capping after
 it), only an fp32 LM head without bias packed by `packed_linears`, and only products of the row counts the
@@ -95,7 +95,7 @@ class ArgmaxForward:
 
 
 def bounded_head(head: PackedLinear) -> "BoundedHead":
-    """The `BoundedHead` of `head`'s current weight (built on first use, ~0.3 s for the default model; rebuilt
+    """The `BoundedHead` of `head`'s current weight (built on first use, ~0.1 s for the default model; rebuilt
     when the weight changed in place or was replaced); kept on the module."""
     stamp = _stamp([head.linear._parameters])
     cached = head.__dict__.get("_lookahead_bounded")
@@ -124,8 +124,8 @@ class BoundedHead:
 
     def logits(self, x: torch.Tensor, exact: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """[M, V] for x [M, K]: exact fp32 logits for every token that could be its row's argmax, the int8
-        approximation (below the row's maximum) for every other token (see the module docstring). `exact(x)`, the fp32 head, computes them all
-        instead when x is not finite or too many tokens remain."""
+        approximation (below the row's maximum) for every other token (see the module docstring). `exact(x)`,
+        the fp32 head, computes them all instead when x is not finite or too many tokens remain."""
         norms = torch.linalg.vector_norm(x.double(), dim=1)
         if not bool(torch.isfinite(norms).all()):
             return exact(x)
