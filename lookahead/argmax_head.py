@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from . import streamed_gemm
-from .packed_linear import PackedLinear, _stamp
+from .packed_linear import PackedLinear
 
 # Causal LM classes whose forward returns `self.lm_head(hidden_states)` as the logits (transformers 5.x).
 ELIGIBLE_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
@@ -95,14 +95,9 @@ class ArgmaxForward:
 
 
 def bounded_head(head: PackedLinear) -> "BoundedHead":
-    """The `BoundedHead` of `head`'s current weight (built on first use, ~0.1 s for the default model; rebuilt
-    when the weight changed in place or was replaced); kept on the module."""
-    stamp = _stamp([head.linear._parameters])
-    cached = head.__dict__.get("_lookahead_bounded")
-    if cached is None or cached[0] != stamp:
-        cached = (stamp, BoundedHead(head.weight.detach()))
-        head.__dict__["_lookahead_bounded"] = cached
-    return cached[1]
+    """The `BoundedHead` of `head`'s current weight: built on first use (~0.1 s for the default model) and kept
+    with the head's other packed layouts, which rebuild it when the weight changed in place or was replaced."""
+    return head.packed.derived("bounded-int8", lambda: BoundedHead(head.weight.detach()))
 
 
 class BoundedHead:
@@ -118,8 +113,7 @@ class BoundedHead:
         self.slack = slack(weight, quantized.scales).numpy()
         if not np.isfinite(self.slack).all():  # a non-finite weight makes its row's slack non-finite
             raise ValueError(problem)
-        self.scales32 = quantized.scales.numpy()
-        self.scales = quantized.scales.double().numpy()  # the same values, for exact float64 products
+        self.scales = quantized.scales.numpy()
         self.sums = replace(quantized, scales=None)  # the kernel's unscaled sums; scaled in float64 below
 
     def logits(self, x: torch.Tensor, exact: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -131,7 +125,7 @@ class BoundedHead:
             return exact(x)
         sums = streamed_gemm.product(x, self.sums).numpy()
         out, best = torch.empty(sums.shape, dtype=torch.float32), np.empty(sums.shape[0])
-        _approximations(sums, self.scales, self.scales32, self.slack, norms.numpy(), out.numpy(), best)
+        _approximations(sums, self.scales, self.slack, norms.numpy(), out.numpy(), best)
         reach = np.empty(sums.shape, dtype=np.bool_)
         _reaching(sums, self.scales, self.slack, norms.numpy(), best, reach)
         tokens = np.flatnonzero(reach.any(axis=0) if len(reach) > 1 else reach[0])
@@ -169,9 +163,9 @@ def _slack_rows(weight, scales, gamma, inflate, out):  # pragma: no cover - comp
 
 
 @numba.njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _approximations(sums, scales, scales32, slack, norms, out, best):  # pragma: no cover - compiled
+def _approximations(sums, scales, slack, norms, out, best):  # pragma: no cover - compiled
     """For each row m (rows in parallel): a_v = sums[m, v] · scales[v] and b_v = norms[m] · slack[v] + 2⁻²²|a_v|
-    in float64; out[m, v] = the float32 product sums[m, v] · scales32[v] (a_v rounded to nearest: within
+    in float64 (the float32 product is exact there); out[m, v] = the float32 product (a_v rounded to nearest: within
     2⁻²⁴|a_v| of it, which the 2⁻²² term covers); best[m] = max_v (a_v − b_v). (fastmath lets the loop vectorize;
     any reassociation or contraction it allows moves these float64 numbers by ~1e-16 of their size, far inside
     the margins of the bound.)"""
@@ -179,8 +173,8 @@ def _approximations(sums, scales, scales32, slack, norms, out, best):  # pragma:
     for m in numba.prange(rows):
         top = -np.inf
         for v in range(vocab):
-            a = sums[m, v] * scales[v]
-            out[m, v] = sums[m, v] * scales32[v]
+            a = np.float64(sums[m, v]) * np.float64(scales[v])
+            out[m, v] = sums[m, v] * scales[v]
             top = max(top, a - (norms[m] * slack[v] + abs(a) * 2.0 ** -22))
         best[m] = top
 
@@ -191,5 +185,5 @@ def _reaching(sums, scales, slack, norms, best, reach):  # pragma: no cover - co
     rows, vocab = sums.shape
     for m in numba.prange(rows):
         for v in range(vocab):
-            a = sums[m, v] * scales[v]
+            a = np.float64(sums[m, v]) * np.float64(scales[v])
             reach[m, v] = a + (norms[m] * slack[v] + abs(a) * 2.0 ** -22) >= best[m]

@@ -70,8 +70,7 @@ def _cache_path(ir: str, name: str, machine) -> Path | None:
     import llvmlite
     import llvmlite.binding as llvm
 
-    key = "\n".join([ir, llvm.get_default_triple(), llvm.get_host_cpu_name(), host_features(), llvmlite.__version__,
-                     str(machine.triple)])
+    key = "\n".join([ir, str(machine.triple), llvm.get_host_cpu_name(), host_features(), llvmlite.__version__])
     try:
         return cache_dir() / SUBDIR / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.o"
     except OSError:

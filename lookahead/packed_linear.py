@@ -145,14 +145,15 @@ def _fusable(members: list[nn.Linear]) -> bool:
 
 class _PackedWeights:
     """One weight built from one or more linears' weights (rows stacked), held in the layouts the products use:
-    oneDNN's prepacked layout and the streamed kernel's panels, each built on first use and rebuilt when any
-    source parameter changed in place or was replaced."""
+    oneDNN's prepacked layout, the streamed kernel's panels and layouts other modules derive, each built on first
+    use and rebuilt when any source parameter changed in place or was replaced."""
 
     def __init__(self, linears: list[nn.Linear]):
         self.linears = linears
         self._parameters = [linear._parameters for linear in linears]  # replaced parameters land in these dicts
         self.stamp = None
         self.weight = self.bias = self.panels = None
+        self.derived_layouts: dict = {}  # layouts other modules build from these weights (`derived`)
         self.default_rows = 0  # products of at most this many rows use the linears' own weights
         self.streamed_rows = 0  # products of more rows, up to this many, use the streamed kernel
 
@@ -171,11 +172,20 @@ class _PackedWeights:
             self.panels = streamed_gemm.pack_stacked([m.weight for m in self.linears], self._bias())
         return self.panels
 
+    def derived(self, name: str, build):
+        """The layout `name` another module builds from these weights with `build()` (e.g. `argmax_head`'s int8
+        copy), built on first use and rebuilt, like the others, when a source parameter changed."""
+        self._refresh()
+        if name not in self.derived_layouts:
+            self.derived_layouts[name] = build()
+        return self.derived_layouts[name]
+
     def _refresh(self) -> None:
         """Drop every layout built from parameters that have changed since."""
         stamp = _stamp(self._parameters)
         if stamp != self.stamp:
             self.weight = self.bias = self.panels = None
+            self.derived_layouts = {}
             self.stamp = stamp
 
     @torch.no_grad()
