@@ -27,6 +27,11 @@ _ENGINES: list = []  # compiled modules stay alive for the process (their code i
 def compiled_address(ir: str, function: str, name: str = "module") -> int:
     """The address of `function` in the LLVM IR module `ir`, compiled for the host CPU at -O3 (or loaded from the
     disk cache; `name` labels the cached file). The code stays loaded for the life of the process."""
+    return compiled_addresses(ir, (function,), name)[0]
+
+
+def compiled_addresses(ir: str, functions: tuple[str, ...], name: str = "module") -> tuple[int, ...]:
+    """The addresses of `functions` in the LLVM IR module `ir`, compiled once as `compiled_address` does."""
     import llvmlite.binding as llvm
 
     machine = _target_machine()
@@ -42,7 +47,7 @@ def compiled_address(ir: str, function: str, name: str = "module") -> int:
                             getbuffer_func=lambda _: cached)
     engine.finalize_object()
     _ENGINES.append((engine, module))
-    return engine.get_function_address(function)
+    return tuple(engine.get_function_address(function) for function in functions)
 
 
 @functools.cache

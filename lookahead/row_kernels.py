@@ -2,7 +2,7 @@
 
 Three kernels can compute the packed linear layers' products (`packed_linear`): PyTorch's default matmul on the
 model's own weights (MKL: quick for 1–3 rows on some Intel CPUs), the streamed kernel (`streamed_gemm`: the
-weights streamed once for up to 16 rows) and oneDNN's prepacked product (what large products such as a prompt's
+weights streamed once for any row count) and oneDNN's prepacked product (what large products such as a prompt's
 prefill use without the streamed kernel). Which is faster for k rows depends on the CPU, so it is measured: every
 packed weight's product of k random rows on each kernel, kernels and row counts interleaved, a low quantile per
 kernel.
@@ -29,12 +29,13 @@ from .distributed import is_leader, leader_value
 from .paths import cache_dir
 
 MAX_DEFAULT_ROWS = 4  # the default matmul is tried for products of 1..this many rows
-STREAMED_PROBES = (1, 2, 4, 8, 16, 24, 32)  # row counts the streamed kernel is timed at
+STREAMED_PROBES = (1, 2, 4, 8, 16, 24, 32, 48, 64)  # row counts the streamed kernel is timed at
 KERNEL_MARGIN = 0.95  # a kernel is taken where it needs at most this share of the other kernel's time
 MEASURE_BUDGET = 3.0  # seconds the timed rounds may take (at least 2 rounds)
 # Part of the cache key: choices measured by an earlier rule are measured again (2: the streamed kernel is weighed
-# against the default matmul, no longer against oneDNN).
-CHOICE_VERSION = 2
+# against the default matmul, no longer against oneDNN; 3: the streamed kernel computes any row count in one pass
+# over the weights, probed up to 64 rows).
+CHOICE_VERSION = 3
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from lookahead.packed_linear import packed_linears, set_default_rows, set_stream
 from lookahead.row_kernels import RowKernels, measure_row_kernels, row_kernels_for
 
 WEIGHTS = 9  # packed weights of the tiny llama (2 layers × q/k/v, o, gate/up, down, and the LM head)
+TOP = row_kernels.STREAMED_PROBES[-1]  # the largest row count the streamed kernel is probed at
 
 
 class _FakeClock:
@@ -49,12 +50,12 @@ def _measure(monkeypatch, ms: dict, streamed: bool = True, **kwargs) -> tuple[Ro
         return measure_row_kernels(model, **kwargs), clock
 
 
-STREAM_FAST = lambda r: 2.0 + 0.02 * r  # noqa: E731 — the streamed kernel: nearly flat
+STREAM_FAST = lambda r: 2.0 + 0.01 * r  # noqa: E731 — the streamed kernel: nearly flat
 ONEDNN = lambda r: 2.5 + 0.1 * r  # noqa: E731
 
 
-@pytest.mark.parametrize("default_ms, expected", [(lambda r: 1.0 * r, RowKernels(1, 32)),
-                                                  (lambda r: 3.0, RowKernels(0, 32)),
+@pytest.mark.parametrize("default_ms, expected", [(lambda r: 1.0 * r, RowKernels(1, TOP)),
+                                                  (lambda r: 3.0, RowKernels(0, TOP)),
                                                   (lambda r: 1.5 if r != 2 else 9.0, RowKernels(1, 2))])
 def test_the_default_matmul_takes_the_rows_where_it_beats_the_streamed_kernel(monkeypatch, default_ms, expected):
     found, clock = _measure(monkeypatch, {"default": default_ms, "packed": ONEDNN, "streamed": STREAM_FAST},
@@ -69,10 +70,10 @@ def test_without_the_streamed_kernel_the_default_matmul_is_weighed_against_onedn
     assert found == RowKernels(2, 0) and clock.calls["streamed"] == 0
 
 
-@pytest.mark.parametrize("streamed_ms, expected", [(STREAM_FAST, RowKernels(0, 32)),
+@pytest.mark.parametrize("streamed_ms, expected", [(STREAM_FAST, RowKernels(0, TOP)),
                                                    (lambda r: 2.0 if r <= 8 else 9.0, RowKernels(0, 8)),
-                                                   (lambda r: 9.0 if r == 1 else 2.0, RowKernels(1, 32)),
-                                                   (lambda r: 0.97 * 5.0, RowKernels(0, 32))])
+                                                   (lambda r: 9.0 if r == 1 else 2.0, RowKernels(1, TOP)),
+                                                   (lambda r: 0.97 * 5.0, RowKernels(0, TOP))])
 def test_the_streamed_kernel_takes_the_probes_up_to_the_first_where_the_default_matmul_clearly_wins(
         monkeypatch, streamed_ms, expected):
     """Above the default matmul's rows the streamed kernel keeps a probe unless the default matmul (what computes
@@ -97,7 +98,7 @@ def test_a_model_that_streams_slowly_gets_fewer_rounds(monkeypatch):
     slow = lambda r: 900.0  # noqa: E731 — a pass over the weights takes ~1 s: a round ~20 s
     found, clock = _measure(monkeypatch, {"default": slow, "packed": slow, "streamed": slow}, repeats=7,
                             budget_seconds=3.0)
-    assert found == RowKernels(0, 32)  # a tie: the streamed kernel keeps its rows
+    assert found == RowKernels(0, TOP)  # a tie: the streamed kernel keeps its rows
     rows = len(set(range(1, row_kernels.MAX_DEFAULT_ROWS + 1)) | set(row_kernels.STREAMED_PROBES))
     assert clock.calls["default"] == (1 + 2) * rows * WEIGHTS  # the warm-up and the minimum of 2 timed rounds, not 7
 
