@@ -34,8 +34,8 @@ class LookaheadConfig:
     (`packed_linear.py`), which makes a forward of several rows nearly as cheap as one row; speculative and
     plain steps (`off()`) then use the same arithmetic. Products of at most `default_matmul_rows` rows run PyTorch's
     default matmul on the model's own weights instead (the faster kernel for a few rows on some CPUs), larger ones
-    up to `streamed_matmul_rows` rows the streamed kernel (`streamed_gemm.py`: the weights streamed once for up to
-    16 rows), larger ones oneDNN; None measures the count on this machine once (`row_kernels.py`, cached beside
+    up to `streamed_matmul_rows` rows the streamed kernel (`streamed_gemm.py`: the weights streamed from memory once
+    for all the rows), larger ones oneDNN; None measures the count on this machine once (`row_kernels.py`, cached beside
     the cost curve), 0 turns that kernel off.
     `lean_layers` (with `packed_linear`): Llama-style decoder layers (Llama, Qwen2, Mistral) run a forward without
     transformers' per-module overhead that computes bit-identical numbers (`lean_layers.py`).

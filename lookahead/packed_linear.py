@@ -16,7 +16,7 @@ Which kernel is fastest for a product of k rows depends on the CPU, so each pack
 three, by row count (`set_default_rows`, `set_streamed_rows`; measured per model and machine by
 `row_kernels.row_kernels_for`): up to `default_rows` rows PyTorch's default matmul on the model's own weights
 (exactly as the model's own linear layers compute them; MKL is quick for 1–3 rows on some Intel CPUs), up to
-`streamed_rows` rows the streamed kernel (`streamed_gemm`: the weights streamed once for up to 16 rows), larger
+`streamed_rows` rows the streamed kernel (`streamed_gemm`: the weights streamed once for all the rows), larger
 products (a prompt's prefill) the oneDNN-packed weight — or, when the streamed kernel computes the small products,
 PyTorch's default matmul again: oneDNN's layout then is never built, which saves a full copy of the weights (the
 default model: 540 MB) and its packing time, for prefills within ±5% of oneDNN's time (measured here on 40–900
