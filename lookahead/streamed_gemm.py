@@ -314,8 +314,8 @@ exit:
 
 @functools.cache
 def _kernel_address(weights: str = "float32") -> tuple[int, int]:
-    """Addresses of the compiled `streamed_rows` dispatcher and of `transpose` for panels of `weights` ("float32" or "int8"; each
-    compiled on first use, ~0.15 s, or loaded from the disk cache, ~3 ms: `compiled_ir`)."""
+    """Addresses of the compiled `streamed_rows` dispatcher and of `transpose` for panels of `weights` ("float32"
+    or "int8"; each module compiled on first use, ~0.15 s, or loaded from the disk cache, ~3 ms: `compiled_ir`)."""
     if weights not in ("float32", "int8"):
         raise ValueError(f"streamed_gemm computes float32 or int8 panels, got {weights}")
     ir = module_ir(vector_width(), rows_per_pass(), weights)
