@@ -281,7 +281,7 @@ def _cases(max_rows: int, label: str) -> str:
 
 
 # `transpose(x, xt, M, K)`: xt [K, M] = x [M, K]ᵀ, both float32 (called once per product of several rows, before
-# the threads start: a few microseconds, where PyTorch's transposing copy of such small tensors takes ~10–30).
+# the threads start: a few microseconds, where PyTorch's transposing copy of such small tensors takes ~10–40).
 TRANSPOSE_IR = """define void @transpose(i64 %xa, i64 %ta, i64 %M, i64 %K) {
 entry:
   %x = inttoptr i64 %xa to ptr
