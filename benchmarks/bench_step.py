@@ -7,8 +7,10 @@
 For each arithmetic (`default`: PyTorch's own `nn.Linear` and transformers' SDPA attention, i.e. plain HF;
 `packed`: oneDNN-prepacked weights with q/k/v and gate/up fused and the `lookahead_tree` attention backend (grouped
 SDPA without copying key/value heads) in transformers' decoder layers; `lean`: what generation uses, `packed` with
-the lean decoder layers (`lean_layers.py`: the same numbers without the per-module overhead) and each row count's
-products on the kernel generation chooses (`row_kernels.py`); `lean-onednn`: `lean` without the streamed kernel
+the lean decoder layers (`lean_layers.py`: the same numbers without the per-module overhead; a step whose products
+all run on the streamed kernel runs each layer as one compiled call, `fused_layer.py`) and each row count's
+products on the kernel generation chooses (`row_kernels.py`); `lean-unfused`: `lean` without the compiled layer
+calls; `lean-onednn`: `lean` without the streamed kernel
 (`streamed_gemm.py`): the default matmul where it beats oneDNN (measured in the run), oneDNN for the rest, as
 generation computed before the streamed kernel; `packed-sdpa`:
 prepacked and fused, with transformers' SDPA; `packed-unfused`: prepacked, every projection on its own, `lookahead_tree` attention) and each
@@ -47,8 +49,8 @@ LINEAR_KINDS = {"q_proj": "attn q/k/v", "k_proj": "attn q/k/v", "v_proj": "attn 
                 "gate_up_proj": "mlp gate/up", "down_proj": "mlp down", "lm_head": "lm head"}
 PARTS = ("attn q/k/v", "attn o", "mlp gate/up", "mlp down", "lm head", "attention", "other forward",
          "mask building", "cache compaction")
-VARIANTS = ("default", "packed", "lean", "lean-onednn", "packed-sdpa", "packed-unfused")
-LEAN = ("lean", "lean-onednn")
+VARIANTS = ("default", "packed", "lean", "lean-unfused", "lean-onednn", "packed-sdpa", "packed-unfused")
+LEAN = ("lean", "lean-unfused", "lean-onednn")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -147,7 +149,7 @@ def linear_variant(model, variant: str, packed_sets: dict, kernels=None):
     attention = "sdpa" if variant == "packed-sdpa" else "auto"
     try:
         with (packed_linear.packed_linears(model), tree_attention(model, attention),
-              lean_layers(model, variant in LEAN)):
+              lean_layers(model, variant in LEAN, fused=variant != "lean-unfused")):
             apply_row_kernels(model, kernels or RowKernels())
             yield
     finally:

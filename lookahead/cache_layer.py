@@ -40,15 +40,27 @@ class SlabLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         cached = self.get_seq_length()
         needed = cached + key_states.shape[-2]
-        if not (self._in_slab() and needed <= self._key_slab.shape[-2]):
-            capacity = needed + max(MIN_HEADROOM, needed // 2)
-            self._key_slab = _new_slab(self.keys, key_states, cached, capacity)
-            self._value_slab = _new_slab(self.values, value_states, cached, capacity)
+        self._reserve(key_states, value_states, needed)
         self._key_slab[:, :, cached:needed].copy_(key_states)
         self._value_slab[:, :, cached:needed].copy_(value_states)
+        return self.keys, self.values
+
+    def reserve(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Extend `keys`/`values` by `rows` slots whose contents the caller writes (a layer holding states only);
+        returns the key and value slabs `[B, H, capacity, D]`, the new slots at `cached … cached + rows - 1`."""
+        self._reserve(self.keys, self.values, self.get_seq_length() + rows)
+        return self._key_slab, self._value_slab
+
+    def _reserve(self, key_like: torch.Tensor, value_like: torch.Tensor, needed: int) -> None:
+        """Make the slabs hold `needed` slots (a fresh slab, the cached states copied, when they do not) and
+        point `keys`/`values` at the first `needed`."""
+        if not (self._in_slab() and needed <= self._key_slab.shape[-2]):
+            cached = self.get_seq_length()
+            capacity = needed + max(MIN_HEADROOM, needed // 2)
+            self._key_slab = _new_slab(self.keys, key_like, cached, capacity)
+            self._value_slab = _new_slab(self.values, value_like, cached, capacity)
         self.keys = self._key_slab[:, :, :needed]
         self.values = self._value_slab[:, :, :needed]
-        return self.keys, self.values
 
     def _in_slab(self) -> bool:
         """Whether `keys` and `values` are still views of the slabs' first slots (nothing replaced them)."""

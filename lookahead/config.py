@@ -39,6 +39,9 @@ class LookaheadConfig:
     the cost curve), 0 turns that kernel off.
     `lean_layers` (with `packed_linear`): Llama-style decoder layers (Llama, Qwen2, Mistral) run a forward without
     transformers' per-module overhead that computes bit-identical numbers (`lean_layers.py`).
+    `fused_layers` (with `lean_layers`): a step whose products all run on the streamed kernel runs each such layer
+    as one compiled call (`fused_layer.py`: the same products, its own norms, attention and SiLU, equal to the
+    lean forward's to ~1e-6 relative).
     `argmax_head` (with `packed_linear` and the streamed kernel; greedy without logits processors or returned
     scores): the LM head streams int8 weights and computes exact fp32 logits only for the tokens a proven error
     bound cannot rule out as a row's argmax (`argmax_head.py`): the same tokens, a quarter of its bytes.
@@ -70,6 +73,7 @@ class LookaheadConfig:
     default_matmul_rows: int | None = None
     streamed_matmul_rows: int | None = None
     lean_layers: bool = True
+    fused_layers: bool = True
     argmax_head: bool = True
     attention: str = "auto"
     seed: int | None = None
@@ -97,7 +101,8 @@ class LookaheadConfig:
             _check_range("seed", self.seed, 0, 2**63 - 1)
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {self.attention!r}")
-        for name in ("pool_from_text", "adaptive", "packed_linear", "lean_layers", "argmax_head"):
+        for name in ("pool_from_text", "adaptive", "packed_linear", "lean_layers", "fused_layers",
+                     "argmax_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

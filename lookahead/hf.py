@@ -137,7 +137,8 @@ def generation_arithmetic(model, config: LookaheadConfig, refresh: bool = False)
     their timing-dependent decisions from rank 0 (`distributed.agreement`); yields a one-line description.
     `refresh`: measure the kernel choice again instead of reading its cache."""
     with (agreement(model), packed_linears(model, config.packed_linear) as packed,
-          tree_attention(model, config.attention) as tree, lean_layers(model, config.lean_layers) as lean):
+          tree_attention(model, config.attention) as tree,
+          lean_layers(model, config.lean_layers, config.fused_layers) as lean):
         linear = "PyTorch's default linear layers"
         if packed:
             kernels = chosen_row_kernels(model, config, refresh)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .fused_layer import FusedLayer
 from .packed_linear import FusedMember, PackedLinear, _linear
 
 _ON_ATTR = "_lookahead_lean_on"
@@ -43,17 +44,18 @@ _SLIDING_WINDOW: dict[str, Callable[[nn.Module], int | None] | None] = {
 
 
 @contextlib.contextmanager
-def lean_layers(model: nn.Module, enabled: bool = True) -> Iterator[int]:
+def lean_layers(model: nn.Module, enabled: bool = True, fused: bool = True) -> Iterator[int]:
     """Within the block, every supported decoder layer of `model` runs the lean forward; yields how many layers do
     (0 when disabled or none is supported). Call it inside `packed_linears(model)`: only layers with packed,
-    stacked products qualify. The layers' own forwards are back on exit, also on error; not re-entrant."""
+    stacked products qualify. `fused`: steps whose products all run on the streamed kernel run each layer as one
+    compiled call (`fused_layer.py`). The layers' own forwards are back on exit, also on error; not re-entrant."""
     if not enabled or getattr(model, _ON_ATTR, False):
         yield 0
         return
     layers = [layer for layer in model.modules() if _supported(layer)]
     rotary = FoldedRotary()  # one forward's cos and sin serve every layer
     for layer in layers:
-        layer.forward = LeanForward(layer, rotary)
+        layer.forward = LeanForward(layer, rotary, fused)
     setattr(model, _ON_ATTR, True)
     try:
         yield len(layers)
@@ -89,7 +91,7 @@ def _stacked(*members: nn.Module) -> bool:
 class LeanForward:
     """The lean forward of one decoder layer (installed as the layer's `forward`; see the module docstring)."""
 
-    def __init__(self, layer: nn.Module, rotary: "FoldedRotary"):
+    def __init__(self, layer: nn.Module, rotary: "FoldedRotary", fused: bool = False):
         self.layer, self.rotary = layer, rotary
         self.input_norm, self.post_norm = LeanNorm(layer.input_layernorm), LeanNorm(layer.post_attention_layernorm)
         attn, mlp = layer.self_attn, layer.mlp
@@ -103,6 +105,11 @@ class LeanForward:
         self.window_kwargs = {} if window is None else {"sliding_window": window(attn)}
         modeling = sys.modules[type(attn).__module__]  # the architecture's own helpers, called as its layer does
         self.eager = getattr(modeling, "eager_attention_forward", None)
+        self.fused = None
+        if fused and FusedLayer.supports(layer):
+            self.fused = FusedLayer(layer, self.head_dim, self.query_heads, self.rotated_heads - self.query_heads,
+                                    self.intermediate, (self.input_norm.weight, self.post_norm.weight),
+                                    (self.input_norm.eps, self.post_norm.eps))
 
     def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
@@ -112,6 +119,11 @@ class LeanForward:
             return self.own_forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                     past_key_values=past_key_values, use_cache=use_cache,
                                     position_embeddings=position_embeddings, **kwargs)
+        if self.fused is not None:
+            out = self.fused(hidden_states, attention_mask, past_key_values, *self.rotary(position_embeddings),
+                             self.window_kwargs.get("sliding_window"), kwargs)
+            if out is not None:
+                return out
         attended = self._attention(self.input_norm(hidden_states), attention_mask,
                                    position_ids, past_key_values, use_cache, position_embeddings, kwargs)
         hidden_states = attended.add_(hidden_states)  # = hidden_states + attended: addition commutes exactly

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build_tiny_model, repetitive_prompt
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+from tiny_models import build_tiny_model, repetitive_prompt, three_steps
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from lookahead import Lookahead, LookaheadConfig
 from lookahead.attention import tree_attention
-from lookahead.cache import make_compactable
-from lookahead.layout import pack
 from lookahead import lean_layers as lean
 from lookahead.lean_layers import LeanForward, LeanNorm, lean_layers
 from lookahead.packed_linear import packed_linears, set_default_rows
-from lookahead.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
@@ -38,16 +35,7 @@ def _model(name: str):
 
 def _forwards(model, prompt: torch.Tensor) -> list[torch.Tensor]:
     """Logits of a prefill, of a one-token cached step and of a tree-masked verification step (two branches)."""
-    cache = DynamicCache()  # no config: sliding-window layers keep every token, as lookahead needs
-    outs = [model(prompt[:, :-1], past_key_values=cache, use_cache=True).logits]
-    make_compactable(cache, model.config, 4096)
-    outs.append(model(prompt[:, -1:], past_key_values=cache, use_cache=True).logits)
-    prefix = prompt.shape[1]
-    tree = DraftTree.from_paths(5, [[7, 9, 11], [8, 3]], [0, 0], 5)
-    inputs = pack(tree, None, prefix, prefix, None, model.dtype, model.device)
-    outs.append(model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                      attention_mask=inputs.attention_mask, past_key_values=cache, use_cache=True).logits)
-    return outs
+    return three_steps(model, prompt)[0]
 
 
 @pytest.mark.parametrize("default_rows", [0, 2], ids=["packed", "one-row-default-matmul"])

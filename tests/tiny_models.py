@@ -66,3 +66,24 @@ def word_tokenizer(vocab_size: int = 64):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
     tokenizer.chat_template = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}w3"
     return tokenizer
+
+
+def three_steps(model, prompt: torch.Tensor):
+    """(logits of a prefill, of a one-token cached step and of a tree-masked verification step (two branches, 6
+    rows), the compactable cache after them)."""
+    from transformers import DynamicCache
+
+    from lookahead.cache import make_compactable
+    from lookahead.layout import pack
+    from lookahead.tree import DraftTree
+
+    cache = DynamicCache()  # no config: sliding-window layers keep every token, as lookahead needs
+    outs = [model(prompt[:, :-1], past_key_values=cache, use_cache=True).logits]
+    make_compactable(cache, model.config, 4096)
+    outs.append(model(prompt[:, -1:], past_key_values=cache, use_cache=True).logits)
+    prefix = prompt.shape[1]
+    tree = DraftTree.from_paths(5, [[7, 9, 11], [8, 3]], [0, 0], 5)
+    inputs = pack(tree, None, prefix, prefix, None, model.dtype, model.device)
+    outs.append(model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
+                      attention_mask=inputs.attention_mask, past_key_values=cache, use_cache=True).logits)
+    return outs, cache

@@ -1,0 +1,225 @@
+"""Compiled (numba) kernels of one Llama-style decoder layer step: norms, RoPE, the KV-cache append, attention,
+SiLU gating and residuals around the four streamed-kernel products, in one call per layer.
+
+`decoder_layer` computes, for the rows of one step at batch size 1, what `lean_layers.LeanForward` computes with
+~40 dispatched PyTorch operations per layer (each costing microseconds between weight streams that evict the
+interpreter's working set): the same formulas in the same order per element, the products on the same
+`streamed_gemm` kernel (so they are bit-identical), the reductions in their own order (the RMS norm's sum of
+squares, the attention's dot products, softmax sum and weighted values), so the layer's output differs from the
+PyTorch path in the last bits, as the streamed kernel's products differ from PyTorch's matmul.
+
+The attention computes each (row, query head) on its own, over the keys its mask row lets it see, the masked
+keys weighing exactly 0: `exp` is Cephes' single-precision polynomial with the power of two built from its
+exponent bits (a loop the compiler vectorises; within 2 ulp of `expf`), and exactly 0 below e⁻⁸⁷.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .streamed_gemm import _call_address, _call_transpose
+
+_REDUCE = {"reassoc", "nsz", "contract"}  # reductions: vectorised sums (their own order, deterministic)
+_LOG2E = np.float32(1.4426950408889634)
+_EXP_FLOOR = np.float32(-87.0)  # exp of anything below is taken as 0 (true value < 1.7e-38)
+
+
+@numba.njit(nogil=True, cache=True)
+def rms_norm(x, weight, eps, width, out):  # pragma: no cover - compiled
+    """out[r] = (x[r] · 1/√(Σ x[r]² / width + eps)) · weight, for every row r of x [rows, hidden]."""
+    rows, hidden = x.shape
+    for r in range(rows):
+        total = np.float32(0.0)
+        for i in range(hidden):
+            total += x[r, i] * x[r, i]
+        inverse = np.float32(1.0) / np.sqrt(total / width + eps)
+        for i in range(hidden):
+            out[r, i] = (x[r, i] * inverse) * weight[i]
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def product(kernel, transpose, threads, width, x, xt, panels, bias, y):  # pragma: no cover - compiled
+    """y [rows, N_pad] = x [rows, K] @ Wᵀ (+ bias on the first len(bias) columns) on the streamed kernel: `panels`
+    the address of the weight's `[N_pad / width, K, width]` panels, `xt` scratch of at least rows · K floats,
+    `kernel`/`transpose` the compiled functions' addresses (`streamed_gemm._kernel_address`)."""
+    rows, k = x.shape
+    n = y.shape[1]
+    blocks = n // width
+    parts = max(1, min(threads, blocks))
+    source = np.int64(x.ctypes.data)
+    inputs = source
+    if rows > 1:
+        inputs = np.int64(xt.ctypes.data)
+        _call_transpose(transpose, source, inputs, rows, k)
+    out = np.int64(y.ctypes.data)
+    for t in numba.prange(parts):
+        _call_address(kernel, rows, inputs, rows, panels, out, k, n, t * blocks // parts, (t + 1) * blocks // parts)
+    for r in range(rows if bias.shape[0] else 0):
+        for i in range(bias.shape[0]):
+            y[r, i] += bias[i]
+
+
+@numba.njit(nogil=True, cache=True)
+def rotate_and_store(qkv, cos, folded_sin, query_heads, key_heads, head_dim, keys, values, start, queries):
+    # pragma: no cover - compiled
+    """RoPE on the query and key heads of qkv [rows, (q + 2·kv heads) · D] as `lean_layers` computes it
+    (x · cos + roll(x, D/2) · folded sin, two rounded products and a rounded sum): queries into `queries`
+    [rows, q heads, D], keys into keys[:, start + row], the value heads copied into values[:, start + row]."""
+    rows = qkv.shape[0]
+    half = head_dim // 2
+    for t in range(rows):
+        for head in range(query_heads + key_heads):
+            base = head * head_dim
+            for i in range(head_dim):
+                partner = qkv[t, base + i + half] if i < half else qkv[t, base + i - half]
+                rotated = qkv[t, base + i] * cos[t, i] + partner * folded_sin[t, i]
+                if head < query_heads:
+                    queries[t, head, i] = rotated
+                else:
+                    keys[head - query_heads, start + t, i] = rotated
+        for head in range(key_heads):
+            base = (query_heads + key_heads + head) * head_dim
+            for i in range(head_dim):
+                values[head, start + t, i] = qkv[t, base + i]
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_REDUCE)
+def _scores(query, keys, length, scale, out):  # pragma: no cover - compiled
+    """out[s] = (query · keys[s]) · scale for the first `length` keys."""
+    for s in range(length):
+        total = np.float32(0.0)
+        for i in range(query.shape[0]):
+            total += query[i] * keys[s, i]
+        out[s] = total * scale
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"contract"})
+def _exp_below(scores, length, top, powers):  # pragma: no cover - compiled
+    """scores[s] ← the polynomial part of exp(scores[s] - top), powers[s] ← its power of two (0 below e⁻⁸⁷); the
+    product of the two is the exponential."""
+    bits = powers.view(np.int32)
+    for s in range(length):
+        x = scores[s] - top
+        kept = x >= _EXP_FLOOR
+        x = max(x, _EXP_FLOOR)
+        n = np.floor(x * _LOG2E + np.float32(0.5))
+        r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        scores[s] = p * r * r + r + np.float32(1.0)
+        bits[s] = ((np.int32(n) + np.int32(127)) << 23) if kept else np.int32(0)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_REDUCE)
+def _weights(scores, powers, length):  # pragma: no cover - compiled
+    """scores[s] ← scores[s] · powers[s] (the exponentials); returns their sum."""
+    total = np.float32(0.0)
+    for s in range(length):
+        weight = scores[s] * powers[s]
+        scores[s] = weight
+        total += weight
+    return total
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"contract"})
+def _weighted_values(weights, values, length, out):  # pragma: no cover - compiled
+    """out = Σ_s weights[s] · values[s], four keys at a time."""
+    out[:] = 0
+    s = 0
+    while s + 4 <= length:
+        w0, w1, w2, w3 = weights[s], weights[s + 1], weights[s + 2], weights[s + 3]
+        for i in range(out.shape[0]):
+            out[i] += (w0 * values[s, i] + w1 * values[s + 1, i]) + (w2 * values[s + 2, i] + w3 * values[s + 3, i])
+        s += 4
+    while s < length:
+        for i in range(out.shape[0]):
+            out[i] += weights[s] * values[s, i]
+        s += 1
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def attend(queries, keys, values, length, mask, scale, threads, out):  # pragma: no cover - compiled
+    """out[t, h] = softmax(queries[t, h] · keys[g]ᵀ · scale + mask[t]) · values[g] over the first `length` cached
+    slots, g the key head of query head h (grouped-query); mask [rows, length] additive, or [0, 0]: none."""
+    rows, query_heads, head_dim = queries.shape
+    group = query_heads // keys.shape[0]
+    tasks = rows * query_heads
+    scores = np.empty((tasks, length), np.float32)
+    powers = np.empty((tasks, length), np.float32)
+    parts = max(1, min(threads, tasks))
+    for part in numba.prange(parts):
+        for task in range(part * tasks // parts, (part + 1) * tasks // parts):
+            t, head = task // query_heads, task % query_heads
+            kv = head // group
+            row = scores[task]
+            _scores(queries[t, head], keys[kv], length, scale, row)
+            if mask.shape[0]:
+                for s in range(length):
+                    row[s] += mask[t, s]
+            top = row[0]
+            for s in range(1, length):
+                top = max(top, row[s])
+            _exp_below(row, length, top, powers[task])
+            inverse = np.float32(1.0) / _weights(row, powers[task], length)
+            _weighted_values(row, values[kv], length, out[t, head])
+            for i in range(head_dim):
+                out[t, head, i] *= inverse
+
+
+@numba.njit(nogil=True, cache=True)
+def silu_gate(gate_up, intermediate, out):  # pragma: no cover - compiled
+    """out[t, i] = silu(gate[t, i]) · up[t, i], gate and up the two halves of gate_up's first 2 · intermediate
+    columns; silu(g) = g / (1 + exp(-g)) as PyTorch's CPU kernel writes it."""
+    for t in range(gate_up.shape[0]):
+        for i in range(intermediate):
+            g = gate_up[t, i]
+            out[t, i] = (g / (np.float32(1.0) + np.exp(-g))) * gate_up[t, intermediate + i]
+
+
+@numba.njit(nogil=True, cache=True)
+def add_rows(a, b, columns, out):  # pragma: no cover - compiled
+    """out[t, i] = a[t, i] + b[t, i] for the first `columns` columns."""
+    for t in range(out.shape[0]):
+        for i in range(columns):
+            out[t, i] = a[t, i] + b[t, i]
+
+
+@numba.njit(nogil=True, cache=True)
+def decoder_layer(kernel, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
+                  values, start, mask, out):  # pragma: no cover - compiled
+    """One Llama-style decoder layer for hidden [rows, size] at batch size 1, into out [rows, size]; the rows' keys
+    and values are written into keys/values [key heads, ≥ start + rows, D] at slots start…start + rows - 1.
+
+    dims: query heads, key heads, head dim, intermediate size, panel width, then the padded output widths of the
+    q/k/v, o, gate/up and down products; panels: their weights' panel addresses; floats: the two norms' eps, the
+    hidden size, the attention scale; biases: [4, max N] with lengths in dims[9:13] (0: none); norms [2, size];
+    mask [rows, start + rows] additive, or [0, 0] for a row that sees every slot."""
+    query_heads, key_heads, head_dim, intermediate, width = dims[0], dims[1], dims[2], dims[3], dims[4]
+    rows, size = hidden.shape
+    scratch = np.empty(rows * max(size, intermediate, query_heads * head_dim), np.float32)
+    normed = np.empty((rows, size), np.float32)
+    rms_norm(hidden, norms[0], floats[0], floats[2], normed)
+    qkv = np.empty((rows, dims[5]), np.float32)
+    product(kernel, transpose, threads, width, normed, scratch, panels[0], biases[0, :dims[9]], qkv)
+    queries = np.empty((rows, query_heads, head_dim), np.float32)
+    rotate_and_store(qkv, cos, folded_sin, query_heads, key_heads, head_dim, keys, values, start, queries)
+    attended = np.empty((rows, query_heads, head_dim), np.float32)
+    attend(queries, keys, values, start + rows, mask, floats[3], threads, attended)
+    projected = np.empty((rows, dims[6]), np.float32)
+    product(kernel, transpose, threads, width, attended.reshape(rows, query_heads * head_dim), scratch, panels[1],
+            biases[1, :dims[10]], projected)
+    residual = np.empty((rows, size), np.float32)
+    add_rows(projected, hidden, size, residual)
+    rms_norm(residual, norms[1], floats[1], floats[2], normed)
+    gate_up = np.empty((rows, dims[7]), np.float32)
+    product(kernel, transpose, threads, width, normed, scratch, panels[2], biases[2, :dims[11]], gate_up)
+    activated = np.empty((rows, intermediate), np.float32)
+    silu_gate(gate_up, intermediate, activated)
+    down = np.empty((rows, dims[8]), np.float32)
+    product(kernel, transpose, threads, width, activated, scratch, panels[3], biases[3, :dims[12]], down)
+    add_rows(down, residual, size, out)

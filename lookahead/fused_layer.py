@@ -1,0 +1,126 @@
+"""A decoder layer's step in one compiled call: what `lean_layers` runs as ~40 PyTorch operations per layer.
+
+After the lean forward, a one-row step of the default model still spent ~15 ms of its ~45 ms outside the matrix
+products on an AVX2 machine (2 cores): ~40 dispatched operations per layer (norms, RoPE, the cache append, SDPA,
+SiLU, residuals, views) and the Python around them, each costing microseconds after the layer's weights have
+streamed through the caches. `FusedLayer` runs the whole layer as one numba call (`fused_kernels.decoder_layer`)
+whose products are the very `streamed_gemm` products the lean forward makes, so a step's products are
+bit-identical; the rest computes the same formulas with its own reductions (see `fused_kernels`): the logits
+differ from the lean forward's in the last bits (~1e-6 relative), as any change of kernel does.
+
+It takes a call only when it computes exactly what the layer means: batch size 1, fp32 on the CPU, every product
+of this row count on the streamed kernel with float32 panels, the layer's cache a `SlabLayer` already holding the
+prompt (the keys and values are written into its slab), and a verification mask (`[1, 1, T, cached + T]`,
+additive float) or a single row with none. Anything else (a prefill, a sliding window, attention extras, a bool
+mask) returns None and the lean forward runs.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from torch import nn
+
+from . import streamed_gemm
+from .cache_layer import SlabLayer
+from .fused_kernels import decoder_layer
+from .packed_linear import FusedMember, PackedLinear
+
+_ATTENTIONS = ("sdpa", "lookahead_tree")  # implementations whose meaning the fused attention computes
+_NO_MASK = np.empty((0, 0), np.float32)
+
+
+class FusedLayer:
+    """One decoder layer's fused step (see the module docstring); `None` from a call means "not this call"."""
+
+    def __init__(self, layer: nn.Module, head_dim: int, query_heads: int, key_heads: int, intermediate: int,
+                 norms: tuple[torch.Tensor, torch.Tensor], eps: tuple[torch.Tensor, torch.Tensor]):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer_idx = attn.layer_idx
+        self.attn_config = attn.config
+        self.packed = (attn.q_proj.group.packed, attn.o_proj.packed, mlp.gate_proj.group.packed, mlp.down_proj.packed)
+        self.norms = torch.stack([n.detach() for n in norms]).contiguous().numpy()
+        size = self.norms.shape[1]
+        self.floats = np.array([float(eps[0]), float(eps[1]), size, attn.scaling], np.float32)
+        self.shape = (query_heads, key_heads, head_dim, intermediate)
+        self._weights: tuple | None = None  # the StreamedWeights the arrays below were built from
+        self._arrays: tuple | None = None
+
+    @staticmethod
+    def supports(layer: nn.Module) -> bool:
+        """Whether the layer's four products are packed (q/k/v and gate/up stacked) and the streamed kernel builds."""
+        attn, mlp = layer.self_attn, layer.mlp
+        return (isinstance(attn.q_proj, FusedMember) and isinstance(mlp.gate_proj, FusedMember)
+                and isinstance(attn.o_proj, PackedLinear) and isinstance(mlp.down_proj, PackedLinear)
+                and streamed_gemm.available())
+
+    def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, past_key_values,
+                 cos: torch.Tensor, folded_sin: torch.Tensor, window: int | None, kwargs: dict) -> torch.Tensor | None:
+        """The layer's output `[1, T, hidden]` for `hidden_states`, its keys and values appended to the cache; None
+        when this call is not one the fused step computes."""
+        rows = hidden_states.shape[1]
+        mask = self._mask(attention_mask, rows, past_key_values)
+        if mask is None or window is not None or hidden_states.shape[0] != 1 or any(kwargs.get(name) is not None
+                                                                                    for name in _EXTRAS):
+            return None
+        if self.attn_config._attn_implementation not in _ATTENTIONS:
+            return None
+        arrays = self._streamed_arrays(rows)
+        if arrays is None:
+            return None
+        layer = past_key_values.layers[self.layer_idx]
+        start = layer.get_seq_length()
+        keys, values = layer.reserve(rows)
+        out = torch.empty_like(hidden_states)
+        kernel, transpose = streamed_gemm._kernel_address("float32")
+        threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        dims, panels, biases = arrays
+        decoder_layer(kernel, transpose, threads, dims, panels, self.floats, biases, self.norms,
+                      hidden_states[0].contiguous().numpy(), cos[0, 0].contiguous().numpy(),
+                      folded_sin[0, 0].contiguous().numpy(), keys[0].numpy(), values[0].numpy(), start, mask,
+                      out[0].numpy())
+        return out
+
+    def _mask(self, attention_mask: torch.Tensor | None, rows: int, past_key_values) -> np.ndarray | None:
+        """The mask as [rows, cached + rows] float32 (or the empty "none" mask for a lone row), or None when the
+        call's mask or cache is not one the fused step handles."""
+        layers = getattr(past_key_values, "layers", None)
+        if layers is None or self.layer_idx >= len(layers):
+            return None
+        layer = layers[self.layer_idx]
+        if type(layer) is not SlabLayer or not layer.is_initialized or layer.keys.shape[0] != 1:
+            return None
+        if attention_mask is None:
+            return _NO_MASK if rows == 1 else None
+        length = layer.get_seq_length() + rows
+        if attention_mask.dtype != torch.float32 or tuple(attention_mask.shape) != (1, 1, rows, length):
+            return None
+        return attention_mask[0, 0].contiguous().numpy()
+
+    def _streamed_arrays(self, rows: int) -> tuple | None:
+        """(dims, panel addresses, biases) of the four products, or None unless all four compute `rows` rows on the
+        streamed kernel with float32 panels."""
+        if not all(p.default_rows < rows <= p.streamed_rows for p in self.packed):
+            return None
+        weights = tuple(p.streamed() for p in self.packed)
+        if self._weights is None or any(new is not old for new, old in zip(weights, self._weights)):
+            self._weights, self._arrays = weights, self._build(weights)
+        return self._arrays
+
+    def _build(self, weights: tuple) -> tuple | None:
+        """The arrays `decoder_layer` reads for these streamed weights (None: int8 panels)."""
+        if any(w.scales is not None or w.panels.dtype != torch.float32 for w in weights):
+            return None
+        widths = [w.panels.shape[0] * w.panels.shape[2] for w in weights]
+        lengths = [0 if w.bias is None else w.out_features for w in weights]
+        biases = np.zeros((4, max(1, max(lengths))), np.float32)
+        for i, w in enumerate(weights):
+            if w.bias is not None:
+                biases[i, :w.out_features] = w.bias.detach().float().numpy()
+        dims = np.array([*self.shape, streamed_gemm.vector_width(), *widths, *lengths], np.int64)
+        panels = np.array([w.panels.data_ptr() for w in weights], np.int64)
+        return dims, panels, biases
+
+
+_EXTRAS = ("position_bias", "cache", "softcap", "s_aux", "output_attentions")

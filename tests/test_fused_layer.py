@@ -1,0 +1,152 @@
+"""The fused decoder-layer step (`fused_layer.py`, `fused_kernels.py`): the lean forward's numbers to rounding, the
+cache filled alike, calls it does not compute left to the lean forward, and greedy generation through it identical
+to plain greedy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import build_tiny_model, repetitive_prompt, three_steps
+
+from lookahead import Lookahead, LookaheadConfig, fused_kernels, fused_layer, hf, streamed_gemm
+from lookahead.attention import tree_attention
+from lookahead.lean_layers import lean_layers
+from lookahead.packed_linear import packed_linears
+from lookahead.row_kernels import RowKernels, apply_row_kernels
+
+pytestmark = pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and streamed_gemm.available()),
+                                reason="needs oneDNN and the streamed kernel (a CPU with FMA)")
+
+ARCHITECTURES = {
+    "llama": {},
+    "qwen2": {},  # q/k/v with bias
+    "llama-odd-width": {"intermediate_size": 100},  # gate/up padded to whole panels
+    "llama-wide-heads": {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64},
+}
+
+
+def _model(name: str, **extra):
+    return build_tiny_model(name.split("-")[0], dtype=torch.float32, seed=5, layers=3,
+                            **{**ARCHITECTURES.get(name, {}), **extra})
+
+
+class _Calls:
+    """Counts `decoder_layer` calls (each a fused layer step)."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        real = fused_layer.decoder_layer
+
+        def counted(*args):
+            self.count += 1
+            return real(*args)
+
+        monkeypatch.setattr(fused_layer, "decoder_layer", counted)
+
+
+def _steps(model, prompt: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`three_steps`' logits, and the cache's keys and values after them."""
+    logits, cache = three_steps(model, prompt)
+    return logits, [state for layer in cache.layers for state in (layer.keys, layer.values)]
+
+
+def _run(model, prompt, kernels: RowKernels, fused: bool):
+    with torch.no_grad(), packed_linears(model), tree_attention(model), lean_layers(model, fused=fused):
+        apply_row_kernels(model, kernels)
+        return _steps(model, prompt)
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_fused_steps_compute_the_lean_forward_to_rounding(name, monkeypatch):
+    model = _model(name)
+    prompt = repetitive_prompt(1, length=30)
+    kernels = RowKernels(0, 8)  # one-row and 6-row steps on the streamed kernel; the prefill is not
+    lean_logits, lean_cache = _run(model, prompt, kernels, fused=False)
+    calls = _Calls(monkeypatch)
+    fused_logits, fused_cache = _run(model, prompt, kernels, fused=True)
+    assert calls.count == 2 * 3  # the one-row and the tree step, in each of the 3 layers
+    assert torch.equal(lean_logits[0], fused_logits[0])  # the prefill ran the lean forward
+    for lean, fused in zip(lean_logits[1:] + lean_cache, fused_logits[1:] + fused_cache, strict=True):
+        assert lean.shape == fused.shape
+        torch.testing.assert_close(fused, lean, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", ["rows-beyond-the-streamed-kernel", "sliding-window", "fused-off"])
+def test_calls_the_fused_step_does_not_compute_run_the_lean_forward(case, monkeypatch):
+    model = _model("mistral", sliding_window=8) if case == "sliding-window" else _model("llama")
+    kernels = RowKernels(0, 4 if case == "rows-beyond-the-streamed-kernel" else 8)
+    prompt = repetitive_prompt(1, length=30)
+    calls = _Calls(monkeypatch)
+    _run(model, prompt, kernels, fused=case != "fused-off")
+    assert calls.count == (3 if case == "rows-beyond-the-streamed-kernel" else 0)  # there: the one-row step only
+
+
+def test_rows_on_the_default_matmul_are_not_fused(monkeypatch):
+    model = _model("llama")
+    calls = _Calls(monkeypatch)
+    _run(model, repetitive_prompt(1, length=30), RowKernels(1, 8), fused=True)
+    assert calls.count == 3  # the tree step only: its one-row step ran PyTorch's default matmul
+
+
+def _attention_inputs(rows: int, cached: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    length = cached + rows
+    queries = torch.randn(rows, 6, 16, generator=gen)
+    keys, values = (torch.randn(2, length + 3, 16, generator=gen) * 2 for _ in range(2))
+    mask = torch.zeros(rows, length)
+    blocked = torch.rand(rows, rows, generator=gen) < 0.5
+    blocked.fill_diagonal_(False)
+    mask[:, cached:][blocked] = torch.finfo(torch.float32).min
+    return queries, keys, values, mask
+
+
+def _reference(queries, keys, values, mask, length):
+    """float64 attention (grouped-query: query heads 3h..3h+2 read key head h)."""
+    q = queries.double().transpose(0, 1)  # [heads, rows, D]
+    k, v = (x[:, :length].double().repeat_interleave(3, dim=0) for x in (keys, values))
+    scores = q @ k.transpose(1, 2) * 0.25 + mask.double()
+    return (scores.softmax(-1) @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("rows,cached", [(1, 0), (1, 37), (5, 40), (13, 3)])
+def test_attention_matches_float64_and_masked_keys_weigh_exactly_nothing(rows, cached):
+    queries, keys, values, mask = _attention_inputs(rows, cached)
+    length = cached + rows
+    out = np.empty((rows, 6, 16), np.float32)
+    fused_kernels.attend(queries.numpy(), keys.numpy(), values.numpy(), length, mask.numpy(), np.float32(0.25), 2,
+                         out)
+    torch.testing.assert_close(torch.from_numpy(out).double(), _reference(queries, keys, values, mask, length),
+                               rtol=1e-5, atol=1e-6)
+    poisoned = values.clone()  # huge values where a row's mask blocks: a weight of exactly 0 leaves them out
+    visible = mask[:, cached:] == 0
+    if rows > 1 and not visible.all():
+        row, col = (~visible).nonzero()[0].tolist()
+        poisoned[:, cached + col] = 1e30
+        again = np.empty_like(out)
+        fused_kernels.attend(queries.numpy(), keys.numpy(), poisoned.numpy(), length, mask.numpy(), np.float32(0.25),
+                             2, again)
+        assert np.array_equal(again[row], out[row])
+
+
+def test_attention_without_a_mask_sees_every_slot():
+    queries, keys, values, _ = _attention_inputs(1, 20, seed=3)
+    out = np.empty((1, 6, 16), np.float32)
+    fused_kernels.attend(queries.numpy(), keys.numpy(), values.numpy(), 21, np.empty((0, 0), np.float32),
+                         np.float32(0.25), 1, out)
+    torch.testing.assert_close(torch.from_numpy(out).double(),
+                               _reference(queries, keys, values, torch.zeros(1, 21), 21), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama-odd-width"])
+@pytest.mark.parametrize("config", [LookaheadConfig(), LookaheadConfig.off()], ids=["speculate", "off"])
+def test_greedy_through_fused_layers_is_plain_greedy(name, config, monkeypatch):
+    monkeypatch.setattr(hf, "row_kernels_for", lambda model, refresh=False, quiet=False: RowKernels(0, 64))
+    model = _model(name)
+    calls = _Calls(monkeypatch)
+    for seed in range(3):
+        prompt = repetitive_prompt(seed)
+        plain = model.generate(prompt, do_sample=False, max_new_tokens=40)
+        fast = model.generate(prompt, do_sample=False, max_new_tokens=40, custom_generate=Lookahead(config))
+        assert torch.equal(plain, fast)
+    assert calls.count > 0  # every step after the prefill ran the fused layers
