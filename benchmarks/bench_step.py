@@ -16,7 +16,8 @@ generation computed before the streamed kernel; `packed-sdpa`:
 prepacked and fused, with transformers' SDPA; `packed-unfused`: prepacked, every projection on its own, `lookahead_tree` attention) and each
 row count k, a real verification step is built (a draft tree of k nodes: root + a chain of k-1 drafts, packed with
 `layout.pack`, the model's forward with the 4D tree mask on a `--prefix`-token cache, then the cache compaction
-keeping half of the drafts). Parts:
+keeping half of the drafts; `default` on plain HF's cache, the others on the cache generation uses, appending into
+a slab: `cache_layer.py`). Parts:
 
 - matmuls by layer kind: attention q/k/v, attention o, MLP gate/up, MLP down, LM head (forward hooks);
 - attention: the attention modules' time outside their projections (RoPE, SDPA, GQA head copies, cache append);
@@ -77,15 +78,22 @@ def measure(model, args) -> dict:
     them alike); the first round warms up; each figure is the lower quartile of the other rounds."""
     from transformers import DynamicCache
 
+    from lookahead.cache import make_compactable
+
     vocab = model.config.get_text_config().vocab_size
-    cache = DynamicCache(config=model.config)
-    model(torch.randint(0, vocab, (1, args.prefix)), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    prompt = torch.randint(0, vocab, (1, args.prefix))
+    caches = {}
+    for kind in ("plain", "generation"):  # plain HF's cache, and lookahead's (appends into a slab, as generation)
+        caches[kind] = DynamicCache(config=model.config)
+        model(prompt, past_key_values=caches[kind], use_cache=True, logits_to_keep=1)
+    make_compactable(caches["generation"], model.config, args.prefix + max(args.rows) + 1)
     samples = {v: {k: {} for k in args.rows} for v in args.variants}
     packed_sets: dict = {}
     for round_ in range(args.repeats + 1):
         print(f"round {round_} of {args.repeats} ...", file=sys.stderr)
         for variant in args.variants:
             kernels = args.onednn_kernels if variant == "lean-onednn" else args.kernels
+            cache = caches["plain" if variant == "default" else "generation"]
             with linear_variant(model, variant, packed_sets, kernels):
                 timer = PartTimer(model, cache) if variant not in LEAN else None  # lean layers call no modules
                 for k in args.rows:

@@ -192,29 +192,51 @@ def add_rows(a, b, columns, out):  # pragma: no cover - compiled
 @numba.njit(nogil=True, cache=True)
 def decoder_layer(kernel, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
                   values, start, mask, out):  # pragma: no cover - compiled
-    """One Llama-style decoder layer for hidden [rows, size] at batch size 1, into out [rows, size]; the rows' keys
-    and values are written into keys/values [key heads, ≥ start + rows, D] at slots start…start + rows - 1.
+    """One Llama-style decoder layer for hidden [rows, size] at batch size 1, into out [rows, size]: the attention's
+    inputs (`attention_inputs`), `attend` over the first start + rows slots with mask [rows, start + rows]
+    (additive, or [0, 0] for a row that sees every slot), the rest of the layer (`layer_output`)."""
+    rows = hidden.shape[0]
+    queries = np.empty((rows, dims[0], dims[2]), np.float32)
+    attention_inputs(kernel, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
+                     values, start, queries)
+    attended = np.empty((rows, dims[0], dims[2]), np.float32)
+    attend(queries, keys, values, start + rows, mask, floats[3], threads, attended)
+    layer_output(kernel, transpose, threads, dims, panels, floats, biases, norms, hidden, attended, out)
+
+
+@numba.njit(nogil=True, cache=True)
+def attention_inputs(kernel, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
+                     values, start, queries):  # pragma: no cover - compiled
+    """The input norm, the q/k/v product and RoPE of hidden [rows, size]: the rotated queries into queries
+    [rows, query heads, D], the rows' keys and values into keys/values [key heads, ≥ start + rows, D] at slots
+    start…start + rows - 1.
 
     dims: query heads, key heads, head dim, intermediate size, panel width, then the padded output widths of the
-    q/k/v, o, gate/up and down products; panels: their weights' panel addresses; floats: the two norms' eps, the
-    hidden size, the attention scale; biases: [4, max N] with lengths in dims[9:13] (0: none); norms [2, size];
-    mask [rows, start + rows] additive, or [0, 0] for a row that sees every slot."""
-    query_heads, key_heads, head_dim, intermediate, width = dims[0], dims[1], dims[2], dims[3], dims[4]
+    q/k/v, o, gate/up and down products, then their bias lengths (0: none); panels: their weights' panel addresses;
+    floats: the two norms' eps, the hidden size, the attention scale; biases [4, max N]; norms [2, size]."""
     rows, size = hidden.shape
-    scratch = np.empty(rows * max(size, intermediate, query_heads * head_dim), np.float32)
+    scratch = np.empty(rows * size, np.float32)
     normed = np.empty((rows, size), np.float32)
     rms_norm(hidden, norms[0], floats[0], floats[2], normed)
     qkv = np.empty((rows, dims[5]), np.float32)
-    product(kernel, transpose, threads, width, normed, scratch, panels[0], biases[0, :dims[9]], qkv)
-    queries = np.empty((rows, query_heads, head_dim), np.float32)
-    rotate_and_store(qkv, cos, folded_sin, query_heads, key_heads, head_dim, keys, values, start, queries)
-    attended = np.empty((rows, query_heads, head_dim), np.float32)
-    attend(queries, keys, values, start + rows, mask, floats[3], threads, attended)
+    product(kernel, transpose, threads, dims[4], normed, scratch, panels[0], biases[0, :dims[9]], qkv)
+    rotate_and_store(qkv, cos, folded_sin, dims[0], dims[1], dims[2], keys, values, start, queries)
+
+
+@numba.njit(nogil=True, cache=True)
+def layer_output(kernel, transpose, threads, dims, panels, floats, biases, norms, hidden, attended, out):
+    # pragma: no cover - compiled
+    """The rest of the layer after attention (arguments as `attention_inputs`; attended [rows, query heads, D]): the
+    o product plus hidden, the post-attention norm, gate/up, SiLU gating, the down product plus the residual."""
+    rows, size = hidden.shape
+    query_heads, head_dim, intermediate, width = dims[0], dims[2], dims[3], dims[4]
+    scratch = np.empty(rows * max(size, intermediate, query_heads * head_dim), np.float32)
     projected = np.empty((rows, dims[6]), np.float32)
     product(kernel, transpose, threads, width, attended.reshape(rows, query_heads * head_dim), scratch, panels[1],
             biases[1, :dims[10]], projected)
     residual = np.empty((rows, size), np.float32)
     add_rows(projected, hidden, size, residual)
+    normed = np.empty((rows, size), np.float32)
     rms_norm(residual, norms[1], floats[1], floats[2], normed)
     gate_up = np.empty((rows, dims[7]), np.float32)
     product(kernel, transpose, threads, width, normed, scratch, panels[2], biases[2, :dims[11]], gate_up)

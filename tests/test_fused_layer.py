@@ -32,17 +32,20 @@ def _model(name: str, **extra):
 
 
 class _Calls:
-    """Counts `decoder_layer` calls (each a fused layer step)."""
+    """Counts fused layer steps: calls of `decoder_layer`, or of `layer_output` (the end of a step attending with
+    SDPA)."""
 
     def __init__(self, monkeypatch):
         self.count = 0
-        real = fused_layer.decoder_layer
+        for name in ("decoder_layer", "layer_output"):
+            monkeypatch.setattr(fused_layer, name, self._counted(getattr(fused_layer, name)))
 
+    def _counted(self, real):
         def counted(*args):
             self.count += 1
             return real(*args)
 
-        monkeypatch.setattr(fused_layer, "decoder_layer", counted)
+        return counted
 
 
 def _steps(model, prompt: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -57,8 +60,11 @@ def _run(model, prompt, kernels: RowKernels, fused: bool):
         return _steps(model, prompt)
 
 
+@pytest.mark.parametrize("attention", ["compiled", "sdpa"])
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_fused_steps_compute_the_lean_forward_to_rounding(name, monkeypatch):
+def test_fused_steps_compute_the_lean_forward_to_rounding(name, attention, monkeypatch):
+    if attention == "sdpa":  # every step of several rows attends with SDPA between two compiled calls
+        monkeypatch.setattr(fused_layer, "COMPILED_ATTENTION_MAX", 0)
     model = _model(name)
     prompt = repetitive_prompt(1, length=30)
     kernels = RowKernels(0, 8)  # one-row and 6-row steps on the streamed kernel; the prefill is not
