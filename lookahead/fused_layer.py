@@ -49,6 +49,7 @@ class FusedLayer:
         self.norms = torch.stack([n.detach() for n in norms]).contiguous().numpy()
         size = self.norms.shape[1]
         self.floats = np.array([float(eps[0]), float(eps[1]), size, attn.scaling], np.float32)
+        self.scaling = attn.scaling  # SDPA's scale as the layer's own attention passes it
         self.shape = (query_heads, key_heads, head_dim, intermediate)
         self._weights: tuple | None = None  # the StreamedWeights the arrays below were built from
         self._arrays: tuple | None = None
@@ -92,7 +93,7 @@ class FusedLayer:
         attention_inputs(*common, *tables, queries.numpy())
         attended = torch.nn.functional.scaled_dot_product_attention(
             queries.transpose(0, 1)[None], keys[:, :, :start + rows], values[:, :, :start + rows],
-            attn_mask=attention_mask, scale=float(self.floats[3]), enable_gqa=True)  # [1, heads, rows, D]
+            attn_mask=attention_mask, scale=self.scaling, enable_gqa=True)  # [1, heads, rows, D]
         layer_output(*common, attended[0].transpose(0, 1).contiguous().numpy(), out[0].numpy())
         return out
 
