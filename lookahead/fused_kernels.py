@@ -10,7 +10,8 @@ PyTorch path in the last bits, as the streamed kernel's products differ from PyT
 
 The attention computes each (row, query head) on its own, over the keys its mask row lets it see, the masked
 keys weighing exactly 0: `exp` is Cephes' single-precision polynomial with the power of two built from its
-exponent bits (a loop the compiler vectorises; within 2 ulp of `expf`), and exactly 0 below e⁻⁸⁷.
+exponent bits (a loop the compiler vectorises; within 1.02 ulp of the exact value over [-87, 0], measured against
+float64), and exactly 0 below e⁻⁸⁷.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from .fused_kernels import attention_inputs, decoder_layer, layer_output
 from .packed_linear import FusedMember, PackedLinear
 
 _ATTENTIONS = ("sdpa", "lookahead_tree")  # implementations whose meaning the fused attention computes
+_EXTRAS = ("position_bias", "cache", "softcap", "s_aux", "output_attentions")  # attention features it lacks
 _NO_MASK = np.empty((0, 0), np.float32)
 # Steps of more rows × slots than this attend with PyTorch's SDPA between two compiled calls: the compiled attention
 # computes each (row, head) on its own, quicker for a few rows and short caches; SDPA's blocked products for more.
@@ -137,5 +138,3 @@ class FusedLayer:
         panels = np.array([w.panels.data_ptr() for w in weights], np.int64)
         return dims, panels, biases
 
-
-_EXTRAS = ("position_bias", "cache", "softcap", "s_aux", "output_attentions")
