@@ -17,6 +17,10 @@ supported architecture and the default model).
 A call the lean forward does not handle (gradients, a dtype other than fp32, a layer in training mode, attention
 weights asked for) runs the layer's own forward. Layers of other architectures, layers whose products are not
 packed, and layers that already carry a forward of their own (e.g. accelerate's offloading hooks) are left alone.
+
+With `fused` (as generation runs them), a step whose products all run on the streamed kernel runs each layer as one
+compiled call instead (`fused_layer.py`): the same products, the norms, attention and SiLU in their own order, so
+those steps' logits equal this forward's in all but the last bits.
 """
 
 from __future__ import annotations
