@@ -19,7 +19,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .streamed_gemm import _call_address, _call_transpose
+from .streamed_gemm import _launch
 
 _REDUCE = {"reassoc", "nsz", "contract"}  # reductions: vectorised sums (their own order, deterministic)
 _LOG2E = np.float32(1.4426950408889634)
@@ -39,24 +39,20 @@ def rms_norm(x, weight, eps, width, out):  # pragma: no cover - compiled
             out[r, i] = (x[r, i] * inverse) * weight[i]
 
 
-@numba.njit(parallel=True, nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True)
 def product(kernel, transpose, threads, width, x, xt, panels, bias, y):  # pragma: no cover - compiled
-    """y [rows, N_pad] = x [rows, K] @ Wᵀ (+ bias on the first len(bias) columns) on the streamed kernel: `panels`
-    the address of the weight's `[N_pad / width, K, width]` panels, `xt` scratch of at least rows · K floats,
-    `kernel`/`transpose` the compiled functions' addresses (`streamed_gemm._kernel_address`)."""
+    """y [rows, N_pad] = x [rows, K] @ Wᵀ (+ bias on the first len(bias) columns) on the streamed kernel, through
+    `streamed_gemm._launch`: `panels` the address of the weight's `[N_pad / width, K, width]` panels, `xt` scratch
+    of at least rows · K floats, `kernel`/`transpose` the compiled functions' addresses
+    (`streamed_gemm._kernel_address`)."""
     rows, k = x.shape
     n = y.shape[1]
     blocks = n // width
-    parts = max(1, min(threads, blocks))
     source = np.int64(x.ctypes.data)
-    inputs = source
-    if rows > 1:
-        inputs = np.int64(xt.ctypes.data)
-        _call_transpose(transpose, source, inputs, rows, k)
-    out = np.int64(y.ctypes.data)
-    for t in numba.prange(parts):
-        _call_address(kernel, rows, inputs, rows, panels, out, k, n, t * blocks // parts, (t + 1) * blocks // parts)
-    for r in range(rows if bias.shape[0] else 0):
+    transposed = np.int64(xt.ctypes.data) if rows > 1 else source  # one row is its own transpose
+    _launch(kernel, transpose, rows, source, transposed, panels, np.int64(y.ctypes.data), k, n, blocks,
+            max(1, min(threads, blocks)))
+    for r in range(rows):
         for i in range(bias.shape[0]):
             y[r, i] += bias[i]
 
