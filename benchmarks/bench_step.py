@@ -9,8 +9,9 @@ For each arithmetic (`default`: PyTorch's own `nn.Linear` and transformers' SDPA
 SDPA without copying key/value heads) in transformers' decoder layers; `lean`: what generation uses, `packed` with
 the lean decoder layers (`lean_layers.py`: the same numbers without the per-module overhead; a step whose products
 all run on the streamed kernel runs each layer as one compiled call, `fused_layer.py`) and each row count's
-products on the kernel generation chooses (`row_kernels.py`); `lean-unfused`: `lean` without the compiled layer
-calls; `lean-onednn`: `lean` without the streamed kernel
+products on the kernel generation chooses (`row_kernels.py`), weights with an exact 4-bit form streamed in it
+(`affine_weights.py`); `lean-float32`: `lean` with every weight on float32 panels; `lean-unfused`: `lean` without
+the compiled layer calls; `lean-onednn`: `lean` without the streamed kernel
 (`streamed_gemm.py`): the default matmul where it beats oneDNN (measured in the run), oneDNN for the rest, as
 generation computed before the streamed kernel; `packed-sdpa`:
 prepacked and fused, with transformers' SDPA; `packed-unfused`: prepacked, every projection on its own, `lookahead_tree` attention) and each
@@ -50,8 +51,8 @@ LINEAR_KINDS = {"q_proj": "attn q/k/v", "k_proj": "attn q/k/v", "v_proj": "attn 
                 "gate_up_proj": "mlp gate/up", "down_proj": "mlp down", "lm_head": "lm head"}
 PARTS = ("attn q/k/v", "attn o", "mlp gate/up", "mlp down", "lm head", "attention", "other forward",
          "mask building", "cache compaction")
-VARIANTS = ("default", "packed", "lean", "lean-unfused", "lean-onednn", "packed-sdpa", "packed-unfused")
-LEAN = ("lean", "lean-unfused", "lean-onednn")
+VARIANTS = ("default", "packed", "lean", "lean-float32", "lean-unfused", "lean-onednn", "packed-sdpa", "packed-unfused")
+LEAN = ("lean", "lean-float32", "lean-unfused", "lean-onednn")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -147,7 +148,8 @@ def linear_variant(model, variant: str, packed_sets: dict, kernels=None):
     if variant == "default":
         yield
         return
-    saved, grouping = packed_linear.FUSED_GROUPS, "unfused" if variant == "packed-unfused" else "fused"
+    saved, grouping = packed_linear.FUSED_GROUPS, {"packed-unfused": "unfused", "lean-float32": "float32"}.get(
+        variant, "fused")  # float32: weights on float32 panels only, a packed set of its own
     packed_linear.FUSED_GROUPS = () if grouping == "unfused" else saved
     cached = packed_sets.get(grouping)  # each grouping's packed modules, built once
     if cached is None:
@@ -156,7 +158,7 @@ def linear_variant(model, variant: str, packed_sets: dict, kernels=None):
         model.__dict__[packed_linear._CACHE_ATTR] = cached
     attention = "sdpa" if variant == "packed-sdpa" else "auto"
     try:
-        with (packed_linear.packed_linears(model), tree_attention(model, attention),
+        with (packed_linear.packed_linears(model, compact=variant != "lean-float32"), tree_attention(model, attention),
               lean_layers(model, variant in LEAN, fused=variant != "lean-unfused")):
             apply_row_kernels(model, kernels or RowKernels())
             yield

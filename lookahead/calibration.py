@@ -18,7 +18,7 @@ from .distributed import is_leader, leader_value
 from .paths import cache_dir
 
 CURVE_QUANTILE = 0.25  # a low quantile of repeated timings: machine noise only ever adds time
-CURVE_VERSION = 5  # bump when the measurement or the arithmetic changes: older cached curves are not reused
+CURVE_VERSION = 6  # bump when the measurement or the arithmetic changes: older cached curves are not reused
 
 
 def curve_key(model, batch: int = 1) -> str:
@@ -31,7 +31,8 @@ def curve_key(model, batch: int = 1) -> str:
     attention = getattr(model.config, "_attn_implementation", None)
     parts = model_parts(model) + [f"packed={packed}", f"lean={lean}", f"attention={attention}", f"v{CURVE_VERSION}",
                                    f"default_rows={getattr(model, '_lookahead_default_rows', 0)}",
-                                   f"streamed_rows={getattr(model, '_lookahead_streamed_rows', 0)}"]
+                                   f"streamed_rows={getattr(model, '_lookahead_streamed_rows', 0)}",
+                                   f"compact={getattr(model, '_lookahead_compact_weights', False)}"]
     parts += [f"batch={batch}"] if batch > 1 else []
     return digest(parts)
 

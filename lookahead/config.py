@@ -42,6 +42,9 @@ class LookaheadConfig:
     `fused_layers` (with `lean_layers`): a step whose products all run on the streamed kernel runs each such layer
     as one compiled call (`fused_layer.py`: the same products, its own norms, attention and SiLU, equal to the
     lean forward's to ~1e-6 relative).
+    `compact_weights` (with `packed_linear` and the streamed kernel): weights whose float32 values have an exact
+    4-bit form (models from GGUF files quantized as Q4_0 / Q4_1, the default model among them) stream from it,
+    checked bit for bit (`affine_weights.py`): the same products, bit for bit, from a sixth of the bytes.
     `argmax_head` (with `packed_linear` and the streamed kernel; greedy without logits processors or returned
     scores): the LM head streams int8 weights and computes exact fp32 logits only for the tokens a proven error
     bound cannot rule out as a row's argmax (`argmax_head.py`): the same tokens, a quarter of its bytes.
@@ -74,6 +77,7 @@ class LookaheadConfig:
     streamed_matmul_rows: int | None = None
     lean_layers: bool = True
     fused_layers: bool = True
+    compact_weights: bool = True
     argmax_head: bool = True
     attention: str = "auto"
     seed: int | None = None
@@ -102,7 +106,7 @@ class LookaheadConfig:
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {self.attention!r}")
         for name in ("pool_from_text", "adaptive", "packed_linear", "lean_layers", "fused_layers",
-                     "argmax_head"):
+                     "compact_weights", "argmax_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -187,22 +187,22 @@ def add_rows(a, b, columns, out):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def decoder_layer(kernel, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
+def decoder_layer(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
                   values, start, mask, out):  # pragma: no cover - compiled
     """One Llama-style decoder layer for hidden [rows, size] at batch size 1, into out [rows, size]: the attention's
     inputs (`attention_inputs`), `attend` over the first start + rows slots with mask [rows, start + rows]
     (additive, or [0, 0] for a row that sees every slot), the rest of the layer (`layer_output`)."""
     rows = hidden.shape[0]
     queries = np.empty((rows, dims[0], dims[2]), np.float32)
-    attention_inputs(kernel, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
+    attention_inputs(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
                      values, start, queries)
     attended = np.empty((rows, dims[0], dims[2]), np.float32)
     attend(queries, keys, values, start + rows, mask, floats[3], threads, attended)
-    layer_output(kernel, transpose, threads, dims, panels, floats, biases, norms, hidden, attended, out)
+    layer_output(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, attended, out)
 
 
 @numba.njit(nogil=True, cache=True)
-def attention_inputs(kernel, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
+def attention_inputs(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
                      values, start, queries):  # pragma: no cover - compiled
     """The input norm, the q/k/v product and RoPE of hidden [rows, size]: the rotated queries into queries
     [rows, query heads, D], the rows' keys and values into keys/values [key heads, ≥ start + rows, D] at slots
@@ -210,18 +210,18 @@ def attention_inputs(kernel, transpose, threads, dims, panels, floats, biases, n
 
     dims: query heads, key heads, head dim, intermediate size, panel width, then the padded output widths of the
     q/k/v, o, gate/up and down products, then their bias lengths (0: none); panels: their weights' panel addresses;
-    floats: the two norms' eps, the hidden size, the attention scale; biases [4, max N]; norms [2, size]."""
+    kernels: the compiled kernel for each one's panels (`streamed_gemm._kernel_address`: float32 or affine4); floats: the two norms' eps, the hidden size, the attention scale; biases [4, max N]; norms [2, size]."""
     rows, size = hidden.shape
     scratch = np.empty(rows * size, np.float32)
     normed = np.empty((rows, size), np.float32)
     rms_norm(hidden, norms[0], floats[0], floats[2], normed)
     qkv = np.empty((rows, dims[5]), np.float32)
-    product(kernel, transpose, threads, dims[4], normed, scratch, panels[0], biases[0, :dims[9]], qkv)
+    product(kernels[0], transpose, threads, dims[4], normed, scratch, panels[0], biases[0, :dims[9]], qkv)
     rotate_and_store(qkv, cos, folded_sin, dims[0], dims[1], dims[2], keys, values, start, queries)
 
 
 @numba.njit(nogil=True, cache=True)
-def layer_output(kernel, transpose, threads, dims, panels, floats, biases, norms, hidden, attended, out):
+def layer_output(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, attended, out):
     # pragma: no cover - compiled
     """The rest of the layer after attention (arguments as `attention_inputs`; attended [rows, query heads, D]): the
     o product plus hidden, the post-attention norm, gate/up, SiLU gating, the down product plus the residual."""
@@ -229,16 +229,16 @@ def layer_output(kernel, transpose, threads, dims, panels, floats, biases, norms
     query_heads, head_dim, intermediate, width = dims[0], dims[2], dims[3], dims[4]
     scratch = np.empty(rows * max(size, intermediate, query_heads * head_dim), np.float32)
     projected = np.empty((rows, dims[6]), np.float32)
-    product(kernel, transpose, threads, width, attended.reshape(rows, query_heads * head_dim), scratch, panels[1],
+    product(kernels[1], transpose, threads, width, attended.reshape(rows, query_heads * head_dim), scratch, panels[1],
             biases[1, :dims[10]], projected)
     residual = np.empty((rows, size), np.float32)
     add_rows(projected, hidden, size, residual)
     normed = np.empty((rows, size), np.float32)
     rms_norm(residual, norms[1], floats[1], floats[2], normed)
     gate_up = np.empty((rows, dims[7]), np.float32)
-    product(kernel, transpose, threads, width, normed, scratch, panels[2], biases[2, :dims[11]], gate_up)
+    product(kernels[2], transpose, threads, width, normed, scratch, panels[2], biases[2, :dims[11]], gate_up)
     activated = np.empty((rows, intermediate), np.float32)
     silu_gate(gate_up, intermediate, activated)
     down = np.empty((rows, dims[8]), np.float32)
-    product(kernel, transpose, threads, width, activated, scratch, panels[3], biases[3, :dims[12]], down)
+    product(kernels[3], transpose, threads, width, activated, scratch, panels[3], biases[3, :dims[12]], down)
     add_rows(down, residual, size, out)

@@ -9,7 +9,7 @@ bit-identical; the rest computes the same formulas with its own reductions (see 
 differ from the lean forward's in the last bits (~1e-6 relative), as any change of kernel does.
 
 It takes a call only when it computes exactly what the layer means: batch size 1, fp32 on the CPU, every product
-of this row count on the streamed kernel with float32 panels, the layer's cache a `SlabLayer` already holding the
+of this row count on the streamed kernel with float32 or exact 4-bit panels, the layer's cache a `SlabLayer` already holding the
 prompt (the keys and values are written into its slab), and a verification mask (`[1, 1, T, cached + T]`,
 additive float) or a single row with none. Anything else (a prefill, a sliding window, attention extras, a bool
 mask) returns None and the lean forward runs. A step of many rows over a long cache attends with PyTorch's SDPA
@@ -31,6 +31,7 @@ from .packed_linear import FusedMember, PackedLinear
 _ATTENTIONS = ("sdpa", "lookahead_tree")  # implementations whose meaning the fused attention computes
 _EXTRAS = ("position_bias", "cache", "softcap", "s_aux", "output_attentions")  # attention features it lacks
 _NO_MASK = np.empty((0, 0), np.float32)
+_KINDS = ("float32", "affine4")  # panels whose products are the weights' own (int8 panels are approximations)
 # Steps of more rows × slots than this attend with PyTorch's SDPA between two compiled calls: the compiled attention
 # computes each (row, head) on its own, quicker for a few rows and short caches; SDPA's blocked products for more.
 # Whole steps of the default model (AVX2, 2 threads), SDPA from 2048, 4096 or 8192 row-slots on: about even at
@@ -52,6 +53,7 @@ class FusedLayer:
         self.floats = np.array([float(eps[0]), float(eps[1]), size, attn.scaling], np.float32)
         self.scaling = attn.scaling  # SDPA's scale as the layer's own attention passes it
         self.shape = (query_heads, key_heads, head_dim, intermediate)
+        self._transpose = streamed_gemm._kernel_address("float32")[1]
         self._weights: tuple | None = None  # the StreamedWeights the arrays below were built from
         self._arrays: tuple | None = None
 
@@ -81,9 +83,8 @@ class FusedLayer:
         start = layer.get_seq_length()
         keys, values = layer.reserve(rows)
         out = torch.empty_like(hidden_states)
-        kernel, transpose = streamed_gemm._kernel_address("float32")
         threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-        common = (kernel, transpose, threads, *arrays[:2], self.floats, arrays[2], self.norms,
+        common = (arrays[3], self._transpose, threads, *arrays[:2], self.floats, arrays[2], self.norms,
                   hidden_states[0].contiguous().numpy())
         tables = (cos[0, 0].contiguous().numpy(), folded_sin[0, 0].contiguous().numpy(), keys[0].numpy(),
                   values[0].numpy(), start)
@@ -115,8 +116,8 @@ class FusedLayer:
         return attention_mask[0, 0].contiguous().numpy()
 
     def _streamed_arrays(self, rows: int) -> tuple | None:
-        """(dims, panel addresses, biases) of the four products, or None unless all four compute `rows` rows on the
-        streamed kernel with float32 panels."""
+        """(dims, panel addresses, biases, kernel addresses) of the four products, or None unless all four compute
+        `rows` rows on the streamed kernel with float32 or exact 4-bit panels."""
         if not all(p.default_rows < rows <= p.streamed_rows for p in self.packed):
             return None
         weights = tuple(p.streamed() for p in self.packed)
@@ -125,10 +126,11 @@ class FusedLayer:
         return self._arrays
 
     def _build(self, weights: tuple) -> tuple | None:
-        """The arrays `decoder_layer` reads for these streamed weights (None: int8 panels)."""
-        if any(w.scales is not None or w.panels.dtype != torch.float32 for w in weights):
+        """The arrays `decoder_layer` reads for these streamed weights and their kernels' addresses (None: int8
+        panels)."""
+        if any(w.scales is not None or w.kind not in _KINDS for w in weights):
             return None
-        widths = [w.panels.shape[0] * w.panels.shape[2] for w in weights]
+        widths = [w.panels.shape[0] * streamed_gemm.vector_width() for w in weights]
         lengths = [0 if w.bias is None else w.out_features for w in weights]
         biases = np.zeros((4, max(1, max(lengths))), np.float32)
         for i, w in enumerate(weights):
@@ -136,5 +138,6 @@ class FusedLayer:
                 biases[i, :w.out_features] = w.bias.detach().float().numpy()
         dims = np.array([*self.shape, streamed_gemm.vector_width(), *widths, *lengths], np.int64)
         panels = np.array([w.panels.data_ptr() for w in weights], np.int64)
-        return dims, panels, biases
+        kernels = np.array([streamed_gemm._kernel_address(w.kind)[0] for w in weights], np.int64)
+        return dims, panels, biases, kernels
 

@@ -136,7 +136,7 @@ def generation_arithmetic(model, config: LookaheadConfig, refresh: bool = False)
     decoder layers, as `config` asks), for speculative and plain steps alike, and tensor-parallel ranks take
     their timing-dependent decisions from rank 0 (`distributed.agreement`); yields a one-line description.
     `refresh`: measure the kernel choice again instead of reading its cache."""
-    with (agreement(model), packed_linears(model, config.packed_linear) as packed,
+    with (agreement(model), packed_linears(model, config.packed_linear, config.compact_weights) as packed,
           tree_attention(model, config.attention) as tree,
           lean_layers(model, config.lean_layers, config.fused_layers) as lean):
         linear = "PyTorch's default linear layers"

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import streamed_gemm
+from . import affine_weights, streamed_gemm
 
 _CACHE_ATTR = "_lookahead_packed_linears"
 # Sibling projections of one block that transformers' decoder layers call on the same input tensor.
@@ -47,16 +47,18 @@ def packing_available(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[int]:
+def packed_linears(model: nn.Module, enabled: bool = True, compact: bool = True) -> Iterator[int]:
     """Within the block, every packable `nn.Linear` of `model` runs on prepacked weights; yields how many
     layers were swapped (0 when disabled or nothing is packable). The originals are restored on exit, also on
-    error. Not re-entrant for the same model (a nested call swaps nothing more)."""
+    error. Not re-entrant for the same model (a nested call swaps nothing more). `compact`: the streamed kernel
+    holds weights that have an exact 4-bit form in it (`affine_weights`), else always float32."""
     if not enabled or not torch.backends.mkldnn.is_available() or getattr(model, "_lookahead_packed_on", False):
         yield 0
         return
     swaps = _packed_modules(model)
     for parent, name, packed in swaps:
         setattr(parent, name, packed)
+    set_compact_weights(model, compact)
     model._lookahead_packed_on = True
     try:
         yield len(swaps)
@@ -91,6 +93,16 @@ def set_streamed_rows(model: nn.Module, rows: int) -> None:
     for packed in packed_weights(model):
         packed.streamed_rows = rows
     model._lookahead_streamed_rows = rows
+
+
+def set_compact_weights(model: nn.Module, compact: bool) -> None:
+    """Whether the streamed kernel's panels of `model`'s packed weights hold weights with an exact 4-bit form in
+    it (`affine_weights`; panels built the other way are dropped); recorded as `model._lookahead_compact_weights`
+    (the cost curve's cache key reads it)."""
+    for packed in packed_weights(model):
+        if packed.compact != compact:
+            packed.compact, packed.panels = compact, None
+    model._lookahead_compact_weights = compact
 
 
 def packed_weights(model: nn.Module) -> list["_PackedWeights"]:
@@ -156,6 +168,7 @@ class _PackedWeights:
         self.derived_layouts: dict = {}  # layouts other modules build from these weights (`derived`)
         self.default_rows = 0  # products of at most this many rows use the linears' own weights
         self.streamed_rows = 0  # products of more rows, up to this many, use the streamed kernel
+        self.compact = True  # streamed panels in the weights' exact 4-bit form where they have one
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(oneDNN-packed weight, bias or None), fresh for the current parameters."""
@@ -169,7 +182,8 @@ class _PackedWeights:
         """The weight (and bias) in the streamed kernel's panel layout, fresh for the current parameters."""
         self._refresh()
         if self.panels is None:
-            self.panels = streamed_gemm.pack_stacked([m.weight for m in self.linears], self._bias())
+            pack = affine_weights.pack_stacked if self.compact else streamed_gemm.pack_stacked
+            self.panels = pack([m.weight for m in self.linears], self._bias())
         return self.panels
 
     def derived(self, name: str, build):

@@ -34,8 +34,8 @@ KERNEL_MARGIN = 0.95  # a kernel is taken where it needs at most this share of t
 MEASURE_BUDGET = 3.0  # seconds the timed rounds may take (at least 2 rounds)
 # Part of the cache key: choices measured by an earlier rule are measured again (2: the streamed kernel is weighed
 # against the default matmul, no longer against oneDNN; 3: the streamed kernel computes any row count in one pass
-# over the weights, probed up to 64 rows).
-CHOICE_VERSION = 3
+# over the weights, probed up to 64 rows; 4: the streamed kernel may stream weights in their exact 4-bit form).
+CHOICE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,8 @@ def row_kernels_for(model, refresh: bool = False, quiet: bool = False) -> RowKer
     0's answer."""
     from . import streamed_gemm
 
-    key = digest(model_parts(model) + [f"row-kernels-{CHOICE_VERSION}", f"streamed={streamed_gemm.available()}"])
+    key = digest(model_parts(model) + [f"row-kernels-{CHOICE_VERSION}", f"streamed={streamed_gemm.available()}",
+                                      f"compact={getattr(model, '_lookahead_compact_weights', False)}"])
     path = cache_dir() / "cost" / f"{key}-row-kernels.json"
     found = _MEMORY.get(key) if not refresh else None
     if found is None and not refresh and path.exists():

@@ -21,6 +21,10 @@ Every output row is the same sequence of multiply-adds (k = 0, 1, … K-1 in ord
 a row's result does not depend on how many rows are computed with it (oneDNN and MKL switch kernels, and so
 rounding, with the row count). The numbers differ from PyTorch's default matmul in the last bits, as oneDNN's do.
 
+Weights with an exact 4-bit form (models from Q4_0 / Q4_1 GGUF files, the default model among them) can stream
+from it instead ("affine4" panels, `affine_weights`; kernel IR in `affine_kernel`): the same bits from 0.75 bytes
+per weight.
+
 The kernels are LLVM IR generated here (one function per row count up to `rows_per_pass()`, and a dispatcher),
 compiled for the host CPU with llvmlite (numba's own LLVM binding) once per process. `available()` is False when
 llvmlite cannot compile them or the CPU lacks FMA; callers then keep the other kernels. Whether this kernel is
@@ -39,6 +43,7 @@ from llvmlite import ir as llvm_ir
 from numba.core import types as nb_types
 from numba.extending import intrinsic
 
+from .affine_kernel import AFFINE_BLOCK, affine_kernel_ir
 from .compiled_ir import compiled_addresses, host_features
 
 # Weight vectors prefetched ahead: 4 KB with AVX-512 (measured: 4–32 too close, 128–256 no better, 512 worse). A
@@ -52,12 +57,20 @@ _ARGS = ("rows", "x", "xs", "w", "y", "k", "n", "lo", "hi")  # every kernel argu
 class StreamedWeight:
     """A weight [N, K] laid out as column panels for the streamed kernel; `panels` is [N_pad / P, K, P]
     (zero rows pad N to a multiple of P); `bias` [N] or None. float32 panels hold the weight itself; int8 panels
-    (`quantize`) hold it rounded to `scales[n] · panels[…, n]`, and the product scales its output by `scales`."""
+    (`quantize`) hold it rounded to `scales[n] · panels[…, n]`, and the product scales its output by `scales`;
+    "affine4" panels [N_pad / P, K / 32, 6, P] (int32) hold it exactly in 4-bit form (`affine_weights`)."""
 
     panels: torch.Tensor
     out_features: int
     bias: torch.Tensor | None
     scales: torch.Tensor | None = None
+    kind: str = "float32"  # the panels' element layout: "float32", "int8" or "affine4" (`affine_weights`)
+
+    @property
+    def in_features(self) -> int:
+        """K, the width of the rows this weight multiplies."""
+        k = self.panels.shape[1]
+        return k * AFFINE_BLOCK if self.kind == "affine4" else k
 
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> StreamedWeight:
@@ -89,7 +102,7 @@ def quantize(weight: torch.Tensor) -> StreamedWeight:
     scales = torch.empty(source.shape[0], dtype=torch.float32)
     rounded = torch.empty(source.shape, dtype=torch.int8)
     _round_rows(source.numpy(), scales.numpy(), rounded.numpy())
-    return StreamedWeight(_panels([rounded], torch.int8), source.shape[0], None, scales)
+    return StreamedWeight(_panels([rounded], torch.int8), source.shape[0], None, scales, "int8")
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -144,16 +157,16 @@ def product(x: torch.Tensor, weight: StreamedWeight) -> torch.Tensor:
 
     A step calls this ~120 times between weight streams that evict the interpreter's working set, so each Python
     operation here costs microseconds: the pointers are computed, not sliced."""
-    panels = weight.panels
-    blocks, k, width = panels.shape
+    panels, k = weight.panels, weight.in_features
+    blocks = panels.shape[0]
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"streamed_gemm needs float32 x [M, {k}], got {x.dtype} {tuple(x.shape)}")
-    rows, n = x.shape[0], blocks * width
+    rows, n = x.shape[0], blocks * vector_width()
     x = x.contiguous()
     xt = x if rows == 1 else torch.empty(k, rows, dtype=torch.float32)  # [K, M]: step k's inputs side by side
     out = torch.empty(rows, n, dtype=torch.float32)
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, blocks))
-    address, transpose = _kernel_address(str(panels.dtype).removeprefix("torch."))
+    address, transpose = _kernel_address(weight.kind)
     _launch(address, transpose, rows, x.data_ptr(), xt.data_ptr(), panels.data_ptr(), out.data_ptr(), k, n, blocks,
             threads)
     if n != weight.out_features:
@@ -242,7 +255,8 @@ def kernel_ir(rows: int, width: int, prefetch: int = PREFETCH_STEPS, name: str =
 
 
 def module_ir(width: int, max_rows: int, weights: str = "float32") -> str:
-    """The module: one `kernel_ir` per row count 1..max_rows (for panels of `weights`), `transpose`, and
+    """The module: one `kernel_ir` (`affine_kernel_ir` for "affine4") per row count 1..max_rows (for panels of
+    `weights`), `transpose`, and
     `streamed_rows(i64 rows, …, i64 lo, i64 hi)`, which computes any number of rows for panels lo ≤ b < hi.
     Up to max_rows rows: one kernel call for all the panels. More rows: panel by panel, the rows in groups of
     max_rows (the last group smaller), so a panel streamed from memory for the first group is read again from the
@@ -251,7 +265,10 @@ def module_ir(width: int, max_rows: int, weights: str = "float32") -> str:
     vec = f"<{width} x float>"
     parts = [f"declare {vec} @llvm.fma.v{width}f32({vec}, {vec}, {vec})",
              "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)"]
-    parts += [kernel_ir(m, width, name=f"rows{m}", weights=weights) for m in range(1, max_rows + 1)]
+    if weights == "affine4":
+        parts += [affine_kernel_ir(m, width, name=f"rows{m}") for m in range(1, max_rows + 1)]
+    else:
+        parts += [kernel_ir(m, width, name=f"rows{m}", weights=weights) for m in range(1, max_rows + 1)]
     args = ", ".join(f"i64 %{a}" for a in _ARGS[1:])
     one = "i64 %x, i64 %xs, i64 %w, i64 %y, i64 %k, i64 %n, i64 %lo, i64 %hi"
     group = "i64 %xg, i64 %xs, i64 %w, i64 %yg, i64 %k, i64 %n, i64 %b, i64 %b_next"
@@ -316,8 +333,8 @@ exit:
 def _kernel_address(weights: str = "float32") -> tuple[int, int]:
     """Addresses of the compiled `streamed_rows` dispatcher and of `transpose` for panels of `weights` ("float32"
     or "int8"; each module compiled on first use, ~0.15 s, or loaded from the disk cache, ~3 ms: `compiled_ir`)."""
-    if weights not in ("float32", "int8"):
-        raise ValueError(f"streamed_gemm computes float32 or int8 panels, got {weights}")
+    if weights not in ("float32", "int8", "affine4"):
+        raise ValueError(f"streamed_gemm computes float32, int8 or affine4 panels, got {weights}")
     ir = module_ir(vector_width(), rows_per_pass(), weights)
     return compiled_addresses(ir, ("streamed_rows", "transpose"), f"streamed-{weights}-{vector_width()}")
 

@@ -1,0 +1,126 @@
+"""LLVM IR of the streamed kernel for weights in exact 4-bit form ("affine4" panels, `affine_weights`).
+
+Each panel (P columns, P = the vector width) is K / 32 records of 24·P bytes, one per block of 32 steps: the
+block's scales d [P] and offsets m [P] (float32), then four groups of P 32-bit lanes, lane j of group g holding
+column j's 4-bit codes q of steps 8g … 8g + 7 (step 8g + i in bits 4i … 4i + 3). The kernel rebuilds each weight
+in registers as w = fma(q, d, m), the float32 value d·q + m rounded once (d·q is exact: the codes have 4 bits and
+d at most 11 significant bits where it comes from GGUF, and `affine_weights` checks every weight equals it bit
+for bit), then does what `streamed_gemm.kernel_ir` does with it: per step, one multiply-add per row, k = 0 … K-1
+in order. So every row gets the very multiply-adds of the float32 kernel on the weights themselves — the same
+bits — from 0.75 bytes per weight instead of 4.
+
+Rebuilding a weight vector takes four operations (shift, mask, convert, multiply-add), so one to three rows become
+compute-bound where the float32 kernel waits on memory, and one row's sum is a chain of dependent multiply-adds:
+1–3 rows compute two panels at once (`affine_panels_per_pass`; independent chains, each column's sum in its own
+order), the panel left over alone.
+"""
+
+from __future__ import annotations
+
+AFFINE_BLOCK = 32  # weights along K sharing one scale and offset (GGUF's Q4_0 / Q4_1 block)
+# Bytes prefetched ahead, in float32 vectors' worth (8 KB with AVX2, ~1400 steps of 0.75-byte weights). Measured on
+# the default model's products, one row (AVX2, noisy): 64 → 8.9 ms, 128 → 6.8–7.4, 256 → 6.2–9.1, 512 → 6.4–7.6,
+# 1024 → 7.4.
+AFFINE_PREFETCH_STEPS = 256
+_SIGNATURE = "(i64 %xa, i64 %xs, i64 %wa, i64 %ya, i64 %K, i64 %N, i64 %lo, i64 %hi)"
+
+
+def affine_kernel_ir(rows: int, width: int, prefetch: int = AFFINE_PREFETCH_STEPS, name: str = "panel_rows") -> str:
+    """LLVM IR of `void name(i64 x, i64 xs, i64 w, i64 y, i64 K, i64 N, i64 lo, i64 hi)` with the contract of
+    `streamed_gemm.kernel_ir` (x transposed [K, xs], y [rows, N], panels lo ≤ b < hi) for "affine4" panels at `w`
+    (K a multiple of 32)."""
+    out = [f"define internal void @{name}{_SIGNATURE} {{",
+           "entry:\n  %x = inttoptr i64 %xa to ptr\n  %w = inttoptr i64 %wa to ptr\n  %y = inttoptr i64 %ya to ptr",
+           f"  %records = udiv i64 %K, {AFFINE_BLOCK}\n  %groups = udiv i64 %K, 8"]
+    together = affine_panels_per_pass(rows)
+    if together > 1:
+        out.append(f"  %span = sub i64 %hi, %lo\n  %whole = udiv i64 %span, {together}")
+        out.append(f"  %wide = mul i64 %whole, {together}\n  %mid = add i64 %lo, %wide\n  br label %Mpanel")
+        out += _panel_loop("M", rows, together, width, prefetch, ("entry", "%lo", "%mid", "Tpanel"))
+        out += _panel_loop("T", rows, 1, width, prefetch, ("Mpanel", "%mid", "%hi", "exit"))
+    else:
+        out.append("  br label %Tpanel")
+        out += _panel_loop("T", rows, 1, width, prefetch, ("entry", "%lo", "%hi", "exit"))
+    out.append("exit:\n  ret void\n}")
+    return "\n".join(out)
+
+
+def affine_panels_per_pass(rows: int) -> int:
+    """Panels a kernel of `rows` rows computes at once: enough independent sums to hide the multiply-add's latency
+    with the registers at hand — 2 for up to 3 rows, else 1 (the default model's products, one row, AVX2: 4 panels
+    11.9 ms (registers spilled), 2 panels 7.0 ms, 1 panel 10.0 ms)."""
+    return 2 if rows <= 3 else 1
+
+
+def _panel_loop(tag: str, rows: int, together: int, width: int, prefetch: int, edges: tuple) -> list[str]:
+    """IR blocks `{tag}panel`… computing `together` panels per iteration for b = first, first + together, … < end;
+    `edges` = (block it is entered from, first, end, block to branch to when done)."""
+    enter, first, end, leave = edges
+    vec = f"<{width} x float>"
+    out = [f"{tag}panel:\n  %{tag}b = phi i64 [{first}, %{enter}], [%{tag}b_next, %{tag}store]",
+           f"  %{tag}done = icmp sge i64 %{tag}b, {end}\n  br i1 %{tag}done, label %{leave}, label %{tag}start",
+           f"{tag}start:\n  br label %{tag}loop", f"{tag}loop:\n  %{tag}t = phi i64 [0, %{tag}start], [%{tag}t_next, %{tag}loop]"]
+    out += [f"  %{tag}a{c}_{m}_0 = phi {vec} [zeroinitializer, %{tag}start], [%{tag}a{c}_{m}_8, %{tag}loop]"
+            for c in range(together) for m in range(rows)]
+    out.append(f"  %{tag}rec = lshr i64 %{tag}t, 2\n  %{tag}g = and i64 %{tag}t, 3\n  %{tag}k0 = mul i64 %{tag}t, 8")
+    out.append(f"  %{tag}goff = mul i64 %{tag}g, {4 * width}\n  %{tag}goff2 = add i64 %{tag}goff, {8 * width}")
+    for c in range(together):
+        out += _record_loads(f"%{tag}{c}", f"%{tag}", c, width, prefetch)
+    for i in range(8):
+        out += _step(tag, i, rows, together, width)
+    out.append(f"  %{tag}t_next = add i64 %{tag}t, 1\n  %{tag}last = icmp eq i64 %{tag}t_next, %groups")
+    out.append(f"  br i1 %{tag}last, label %{tag}store, label %{tag}loop\n{tag}store:")
+    out += _stores(tag, rows, together, width)
+    out.append(f"  %{tag}b_next = add i64 %{tag}b, {together}\n  br label %{tag}panel")
+    return out
+
+
+def _record_loads(p: str, t: str, c: int, width: int, prefetch: int) -> list[str]:
+    """Panel b + c's scales `{p}d`, offsets `{p}m` and this group's code lanes `{p}codes`, and a prefetch ahead."""
+    vec = f"<{width} x float>"
+    return [f"  {p}b = add i64 {t}b, {c}\n  {p}base = mul i64 {p}b, %records\n  {p}ri = add i64 {p}base, {t}rec",
+            f"  {p}roff = mul i64 {p}ri, {24 * width}\n  {p}rp = getelementptr i8, ptr %w, i64 {p}roff",
+            f"  {p}d = load {vec}, ptr {p}rp, align 4\n  {p}mp = getelementptr i8, ptr {p}rp, i64 {4 * width}",
+            f"  {p}m = load {vec}, ptr {p}mp, align 4\n  {p}np = getelementptr i8, ptr {p}rp, i64 {t}goff2",
+            f"  {p}codes = load <{width} x i32>, ptr {p}np, align 4",
+            f"  {p}ahead = getelementptr i8, ptr {p}np, i64 {prefetch * width * 4}",
+            f"  call void @llvm.prefetch.p0(ptr {p}ahead, i32 0, i32 3, i32 1)"]
+
+
+def _step(tag: str, i: int, rows: int, together: int, width: int) -> list[str]:
+    """Step 8t + i: broadcast each row's input, rebuild each panel's weight vector, one multiply-add per row."""
+    vec, lanes, fma = f"<{width} x float>", f"<{width} x i32>", f"@llvm.fma.v{width}f32"
+    out = [f"  %{tag}k{i}_ = add i64 %{tag}k0, {i}\n  %{tag}xk{i} = mul i64 %{tag}k{i}_, %xs",
+           f"  %{tag}xrow{i} = getelementptr float, ptr %x, i64 %{tag}xk{i}"]
+    for m in range(rows):
+        x = f"%{tag}x{i}_{m}"
+        out += [f"  {x}p = getelementptr float, ptr %{tag}xrow{i}, i64 {m}\n  {x}s = load float, ptr {x}p, align 4",
+                f"  {x}h = insertelement {vec} poison, float {x}s, i32 0",
+                f"  {x} = shufflevector {vec} {x}h, {vec} poison, <{width} x i32> zeroinitializer"]
+    for c in range(together):
+        p, shifted = f"%{tag}{c}", f"%{tag}{c}codes"
+        if i:
+            shifted = f"{p}sh{i}"
+            out.append(f"  {shifted} = lshr {lanes} {p}codes, {_splat(width, 4 * i)}")
+        out += [f"  {p}q{i} = and {lanes} {shifted}, {_splat(width, 15)}\n  {p}qf{i} = sitofp {lanes} {p}q{i} to {vec}",
+                f"  {p}w{i} = call {vec} {fma}({vec} {p}qf{i}, {vec} {p}d, {vec} {p}m)"]
+        out += [f"  %{tag}a{c}_{m}_{i + 1} = call {vec} {fma}({vec} %{tag}x{i}_{m}, {vec} {p}w{i}, {vec} %{tag}a{c}_{m}_{i})"
+                for m in range(rows)]
+    return out
+
+
+def _stores(tag: str, rows: int, together: int, width: int) -> list[str]:
+    """Store every panel's row sums into y [rows, N] at the panel's columns."""
+    out = []
+    for c in range(together):
+        out.append(f"  %{tag}col{c} = mul i64 %{tag}{c}b, {width}")
+        for m in range(rows):
+            y = f"%{tag}y{c}_{m}"
+            out += [f"  {y}r = mul i64 %N, {m}\n  {y}i = add i64 {y}r, %{tag}col{c}",
+                    f"  {y}p = getelementptr float, ptr %y, i64 {y}i\n  store <{width} x float> %{tag}a{c}_{m}_8, ptr {y}p, align 4"]
+    return out
+
+
+def _splat(width: int, value: int) -> str:
+    """An IR constant vector of `width` i32 lanes, each `value`."""
+    return "<" + ", ".join([f"i32 {value}"] * width) + ">"

@@ -1,0 +1,170 @@
+"""Weights in their exact 4-bit form (`affine_weights.py`, `streamed_gemm.affine_kernel_ir`): found only where every
+weight equals fma(q, d, m) bit for bit, products bit-identical to the float32 panels' for any row count and
+layout, and generation through them identical to plain greedy, with the compact panels in use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import build_tiny_model, repetitive_prompt, three_steps
+
+from lookahead import Lookahead, LookaheadConfig, affine_weights, hf, streamed_gemm
+from lookahead.affine_weights import affine_form
+from lookahead.attention import tree_attention
+from lookahead.lean_layers import lean_layers
+from lookahead.packed_linear import packed_linears, packed_weights
+from lookahead.row_kernels import RowKernels, apply_row_kernels
+
+needs_kernel = pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and streamed_gemm.available()),
+                                  reason="needs oneDNN and the streamed kernel (a CPU with FMA)")
+
+
+def q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] rounded as GGUF's Q4_1 does and expanded back to float32 as transformers' GGUF loader does:
+    per block of 32, d = float16((max - min) / 15), m = float16(min), q = round((w - min) / d) in 0…15, d·q + m."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // 32, 32)
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    scale = (high - low) / 15
+    codes = torch.where(scale > 0, (blocks - low) / torch.where(scale > 0, scale, 1), 0).round().clamp(0, 15)
+    return (scale.half().float() * codes + low.half().float()).reshape(n, k)
+
+
+def q4_0(n: int, k: int, seed: int) -> torch.Tensor:
+    """A Q4_0-style weight: d·(q - 8), every block holding codes 0 and 15."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k // 32, 32), generator=generator)
+    codes[..., 0], codes[..., 1] = 0, 15
+    scale = torch.rand(n, k // 32, 1, generator=generator).half().float()
+    return (scale * (codes - 8)).reshape(n, k)
+
+
+def _rebuilt(form) -> torch.Tensor:
+    scales, offsets, codes = form
+    return torch.addcmul(offsets.repeat_interleave(32, 1), codes.float(), scales.repeat_interleave(32, 1))
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+@pytest.mark.parametrize("weight", [q4_1(torch.randn(70, 96)), q4_0(40, 64, 1), q4_1(torch.randn(3, 32) * 1e-3),
+                                    torch.zeros(8, 32)], ids=["q4_1", "q4_0", "small", "zeros"])
+def test_the_form_is_found_and_rebuilds_every_weight_bit_for_bit(weight):
+    form = affine_form(weight)
+    assert form is not None
+    scales, offsets, codes = form
+    assert scales.shape == offsets.shape == (weight.shape[0], weight.shape[1] // 32)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    assert _bits_equal(_rebuilt(form), weight)
+
+
+def test_weights_without_the_form_are_refused():
+    weight = q4_1(torch.randn(100, 64))
+    assert affine_form(weight) is not None
+    for row in (0, 99):  # the probed rows, and a row only the whole check reaches
+        nudged = weight.clone()
+        nudged[row, 17] = torch.nextafter(nudged[row, 17], torch.tensor(float("inf")))  # one ulp off one weight
+        assert affine_form(nudged) is None
+    assert affine_form(torch.randn(16, 64)) is None  # trained float32 weights
+    assert affine_form(torch.randn(16, 64).bfloat16().float()) is None  # bfloat16 values: 17 levels a block and more
+    assert affine_form(q4_1(torch.randn(16, 64))[:, :48]) is None  # K not a multiple of 32
+    assert affine_form(q4_1(torch.randn(16, 64)).double()) is None
+    infinite = weight.clone()
+    infinite[3, 3] = float("inf")
+    assert affine_form(infinite) is None
+
+
+def test_the_record_layout_holds_each_weights_code_scale_and_offset():
+    """Decode the panels by the layout `affine_kernel_ir` documents, in Python: the weight again, padding zero."""
+    weight = q4_1(torch.randn(21, 64))
+    packed = affine_weights.pack_stacked([weight[:5], weight[5:]])
+    width = streamed_gemm.vector_width()
+    assert packed.kind == "affine4" and packed.in_features == 64 and packed.out_features == 21
+    panels = packed.panels
+    assert panels.shape == (-(-21 // width), 2, 6, width) and panels.dtype == torch.int32
+    decoded = torch.empty(panels.shape[0] * width, 64)
+    for column in range(decoded.shape[0]):
+        block, lane = divmod(column, width)
+        for k in range(64):
+            record = panels[block, k // 32]
+            scale, offset = record[0, lane:lane + 1].view(torch.float32), record[1, lane:lane + 1].view(torch.float32)
+            code = (int(record[2 + (k % 32) // 8, lane]) >> (4 * (k % 8))) & 15
+            decoded[column, k] = torch.addcmul(offset, torch.tensor([float(code)]), scale)
+    assert _bits_equal(decoded[:21], weight) and not decoded[21:].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", [8, 16])
+def test_products_are_bit_identical_to_the_float32_panels_for_any_row_count(monkeypatch, width):
+    """Every row count from 1 to past two passes (rows computed two panels at once, an odd panel left over, groups
+    of rows), with a bias, on the AVX2 and the AVX-512 layouts compiled here."""
+    monkeypatch.setattr(streamed_gemm, "vector_width", lambda: width)
+    streamed_gemm._kernel_address.cache_clear()
+    try:
+        generator = torch.Generator().manual_seed(width)
+        weight = q4_1(torch.randn(5 * width + 3, 96, generator=generator))
+        bias = torch.randn(len(weight), generator=generator)
+        compact, plain = affine_weights.pack_stacked([weight], bias), streamed_gemm.pack(weight, bias)
+        assert compact.kind == "affine4"
+        for rows in range(1, 2 * streamed_gemm.rows_per_pass() + 4):
+            x = torch.randn(rows, 96, generator=generator)
+            assert torch.equal(streamed_gemm.product(x, compact), streamed_gemm.product(x, plain)), rows
+    finally:
+        streamed_gemm._kernel_address.cache_clear()
+
+
+@needs_kernel
+def test_the_kernel_is_checked_before_use():
+    assert affine_weights.affine_available()
+    mixed = affine_weights.pack_stacked([q4_1(torch.randn(8, 64)), torch.randn(8, 64)])
+    assert mixed.kind == "float32"  # one member without the form: the whole stack on float32 panels
+
+
+def _affine_model(family: str, **extra):
+    """A tiny float32 model whose decoder layers' linear weights are rounded to Q4_1 values."""
+    model = build_tiny_model(family, dtype=torch.float32, seed=5, layers=3, **extra)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
+                module.weight.copy_(q4_1(module.weight))
+    return model
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_steps_on_compact_weights_equal_the_float32_panels_bit_for_bit(family):
+    model = _affine_model(family)
+    prompt = repetitive_prompt(3)
+    results = {}
+    for compact in (True, False):
+        with torch.no_grad(), packed_linears(model, compact=compact), tree_attention(model), lean_layers(model):
+            apply_row_kernels(model, RowKernels(0, 64))
+            logits, _ = three_steps(model, prompt)
+            kinds = {packed.streamed().kind for packed in packed_weights(model)}
+        results[compact] = logits
+        assert kinds == ({"affine4", "float32"} if compact else {"float32"})  # the LM head has no such form
+    for with_form, without in zip(results[True], results[False]):
+        assert torch.equal(with_form, without)
+
+
+@needs_kernel
+@pytest.mark.parametrize("family, extra", [("llama", {}), ("qwen2", {}), ("llama", {"intermediate_size": 96})],
+                         ids=["llama", "qwen2", "llama-odd-width"])
+@pytest.mark.parametrize("config", [LookaheadConfig(), LookaheadConfig.off()], ids=["speculate", "off"])
+def test_greedy_on_compact_weights_is_plain_greedy(family, extra, config, monkeypatch):
+    monkeypatch.setattr(hf, "row_kernels_for", lambda model, refresh=False, quiet=False: RowKernels(0, 64))
+    model = _affine_model(family, **extra)
+    for seed in range(3):
+        prompt = repetitive_prompt(seed)
+        plain = model.generate(prompt, do_sample=False, max_new_tokens=40)
+        fast = model.generate(prompt, do_sample=False, max_new_tokens=40, custom_generate=Lookahead(config))
+        assert torch.equal(plain, fast)
+    built = [packed.panels.kind for packed in packed_weights(model) if packed.panels is not None]
+    assert built.count("affine4") == 4 * 3  # per layer: the q/k/v and gate/up stacks, o and down
+
+
+def test_compact_weights_is_a_checked_option():
+    assert LookaheadConfig().compact_weights is True
+    with pytest.raises(ValueError, match="compact_weights must be a bool"):
+        LookaheadConfig(compact_weights="yes")
