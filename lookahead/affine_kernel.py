@@ -1,6 +1,8 @@
-"""LLVM IR of the streamed kernel for weights in exact 4-bit form ("affine4" panels, `affine_weights`).
+"""LLVM IR of the streamed kernel for weights in an exact block form (`affine_weights`): "affine4" panels (4-bit
+codes, a scale and an offset per block of 32, as GGUF's Q4_0 / Q4_1) and "scaled8" panels (8-bit codes and a scale
+per block, as GGUF's Q8_0).
 
-Each panel (P columns, P = the vector width) is K / 32 records of 24·P bytes, one per block of 32 steps: the
+"affine4": each panel (P columns, P = the vector width) is K / 32 records of 24·P bytes, one per block of 32 steps: the
 block's scales d [P] and offsets m [P] (float32), then four groups of P 32-bit lanes, lane j of group g holding
 column j's 4-bit codes q of steps 8g … 8g + 7 (step 8g + i in bits 4i … 4i + 3). The kernel rebuilds each weight
 in registers as w = fma(q, d, m), the float32 value d·q + m rounded once (d·q is exact: the codes have 4 bits and
@@ -8,6 +10,10 @@ d at most 11 significant bits where it comes from GGUF, and `affine_weights` che
 for bit), then does what `streamed_gemm.kernel_ir` does with it: per step, one multiply-add per row, k = 0 … K-1
 in order. So every row gets the very multiply-adds of the float32 kernel on the weights themselves — the same
 bits — from 0.75 bytes per weight instead of 4.
+
+"scaled8": each record is 36·P bytes: the block's scales d [P] (float32), then its 32 steps' P signed 8-bit codes
+each; w = d · q, exact (8-bit codes, d with at most 11 significant bits where it comes from GGUF, checked bit for
+bit): 1.125 bytes per weight.
 
 Rebuilding a weight vector takes four operations (shift, mask, convert, multiply-add), so one to three rows become
 compute-bound where the float32 kernel waits on memory, and one row's sum is a chain of dependent multiply-adds:
@@ -22,13 +28,17 @@ AFFINE_BLOCK = 32  # weights along K sharing one scale and offset (GGUF's Q4_0 /
 # the default model's products, one row (AVX2, noisy): 64 → 8.9 ms, 128 → 6.8–7.4, 256 → 6.2–9.1, 512 → 6.4–7.6,
 # 1024 → 7.4.
 AFFINE_PREFETCH_STEPS = 256
+RECORD_FLOATS = {"affine4": 6, "scaled8": 9}  # a record's size per panel column, in 4-byte words
 _SIGNATURE = "(i64 %xa, i64 %xs, i64 %wa, i64 %ya, i64 %K, i64 %N, i64 %lo, i64 %hi)"
 
 
-def affine_kernel_ir(rows: int, width: int, prefetch: int = AFFINE_PREFETCH_STEPS, name: str = "panel_rows") -> str:
+def affine_kernel_ir(rows: int, width: int, prefetch: int = AFFINE_PREFETCH_STEPS, name: str = "panel_rows",
+                     form: str = "affine4") -> str:
     """LLVM IR of `void name(i64 x, i64 xs, i64 w, i64 y, i64 K, i64 N, i64 lo, i64 hi)` with the contract of
-    `streamed_gemm.kernel_ir` (x transposed [K, xs], y [rows, N], panels lo ≤ b < hi) for "affine4" panels at `w`
-    (K a multiple of 32)."""
+    `streamed_gemm.kernel_ir` (x transposed [K, xs], y [rows, N], panels lo ≤ b < hi) for panels of `form`
+    ("affine4" or "scaled8", see the module docstring) at `w` (K a multiple of 32)."""
+    if form not in RECORD_FLOATS:
+        raise ValueError(f"exact block forms are {list(RECORD_FLOATS)}, got {form!r}")
     out = [f"define internal void @{name}{_SIGNATURE} {{",
            "entry:\n  %x = inttoptr i64 %xa to ptr\n  %w = inttoptr i64 %wa to ptr\n  %y = inttoptr i64 %ya to ptr",
            f"  %records = udiv i64 %K, {AFFINE_BLOCK}\n  %groups = udiv i64 %K, 8"]
@@ -36,11 +46,11 @@ def affine_kernel_ir(rows: int, width: int, prefetch: int = AFFINE_PREFETCH_STEP
     if together > 1:
         out.append(f"  %span = sub i64 %hi, %lo\n  %whole = udiv i64 %span, {together}")
         out.append(f"  %wide = mul i64 %whole, {together}\n  %mid = add i64 %lo, %wide\n  br label %Mpanel")
-        out += _panel_loop("M", rows, together, width, prefetch, ("entry", "%lo", "%mid", "Tpanel"))
-        out += _panel_loop("T", rows, 1, width, prefetch, ("Mpanel", "%mid", "%hi", "exit"))
+        out += _panel_loop(form, "M", rows, together, width, prefetch, ("entry", "%lo", "%mid", "Tpanel"))
+        out += _panel_loop(form, "T", rows, 1, width, prefetch, ("Mpanel", "%mid", "%hi", "exit"))
     else:
         out.append("  br label %Tpanel")
-        out += _panel_loop("T", rows, 1, width, prefetch, ("entry", "%lo", "%hi", "exit"))
+        out += _panel_loop(form, "T", rows, 1, width, prefetch, ("entry", "%lo", "%hi", "exit"))
     out.append("exit:\n  ret void\n}")
     return "\n".join(out)
 
@@ -52,7 +62,7 @@ def affine_panels_per_pass(rows: int) -> int:
     return 2 if rows <= 3 else 1
 
 
-def _panel_loop(tag: str, rows: int, together: int, width: int, prefetch: int, edges: tuple) -> list[str]:
+def _panel_loop(form: str, tag: str, rows: int, together: int, width: int, prefetch: int, edges: tuple) -> list[str]:
     """IR blocks `{tag}panel`… computing `together` panels per iteration for b = first, first + together, … < end;
     `edges` = (block it is entered from, first, end, block to branch to when done)."""
     enter, first, end, leave = edges
@@ -64,10 +74,11 @@ def _panel_loop(tag: str, rows: int, together: int, width: int, prefetch: int, e
             for c in range(together) for m in range(rows)]
     out.append(f"  %{tag}rec = lshr i64 %{tag}t, 2\n  %{tag}g = and i64 %{tag}t, 3\n  %{tag}k0 = mul i64 %{tag}t, 8")
     out.append(f"  %{tag}goff = mul i64 %{tag}g, {4 * width}\n  %{tag}goff2 = add i64 %{tag}goff, {8 * width}")
+    out.append(f"  %{tag}gstep = mul i64 %{tag}g, {8 * width}\n  %{tag}goff8 = add i64 %{tag}gstep, {4 * width}")
     for c in range(together):
-        out += _record_loads(f"%{tag}{c}", f"%{tag}", c, width, prefetch)
+        out += _record_loads(form, f"%{tag}{c}", f"%{tag}", c, width, prefetch)
     for i in range(8):
-        out += _step(tag, i, rows, together, width)
+        out += _step(form, tag, i, rows, together, width)
     out.append(f"  %{tag}t_next = add i64 %{tag}t, 1\n  %{tag}last = icmp eq i64 %{tag}t_next, %groups")
     out.append(f"  br i1 %{tag}last, label %{tag}store, label %{tag}loop\n{tag}store:")
     out += _stores(tag, rows, together, width)
@@ -75,21 +86,42 @@ def _panel_loop(tag: str, rows: int, together: int, width: int, prefetch: int, e
     return out
 
 
-def _record_loads(p: str, t: str, c: int, width: int, prefetch: int) -> list[str]:
-    """Panel b + c's scales `{p}d`, offsets `{p}m` and this group's code lanes `{p}codes`, and a prefetch ahead."""
+def _record_loads(form: str, p: str, t: str, c: int, width: int, prefetch: int) -> list[str]:
+    """Panel b + c's record for this group of 8 steps: its scales `{p}d` and, for "affine4", offsets `{p}m` and
+    the group's code lanes `{p}codes` ("scaled8": `{p}np` points at the group's first step of codes); a prefetch
+    ahead."""
     vec = f"<{width} x float>"
-    return [f"  {p}b = add i64 {t}b, {c}\n  {p}base = mul i64 {p}b, %records\n  {p}ri = add i64 {p}base, {t}rec",
-            f"  {p}roff = mul i64 {p}ri, {24 * width}\n  {p}rp = getelementptr i8, ptr %w, i64 {p}roff",
-            f"  {p}d = load {vec}, ptr {p}rp, align 4\n  {p}mp = getelementptr i8, ptr {p}rp, i64 {4 * width}",
-            f"  {p}m = load {vec}, ptr {p}mp, align 4\n  {p}np = getelementptr i8, ptr {p}rp, i64 {t}goff2",
-            f"  {p}codes = load <{width} x i32>, ptr {p}np, align 4",
-            f"  {p}ahead = getelementptr i8, ptr {p}np, i64 {prefetch * width * 4}",
-            f"  call void @llvm.prefetch.p0(ptr {p}ahead, i32 0, i32 3, i32 1)"]
+    out = [f"  {p}b = add i64 {t}b, {c}\n  {p}base = mul i64 {p}b, %records\n  {p}ri = add i64 {p}base, {t}rec",
+           f"  {p}roff = mul i64 {p}ri, {4 * width * RECORD_FLOATS[form]}\n  {p}rp = getelementptr i8, ptr %w, i64 {p}roff",
+           f"  {p}d = load {vec}, ptr {p}rp, align 4"]
+    if form == "affine4":
+        out += [f"  {p}mp = getelementptr i8, ptr {p}rp, i64 {4 * width}\n  {p}m = load {vec}, ptr {p}mp, align 4",
+                f"  {p}np = getelementptr i8, ptr {p}rp, i64 {t}goff2\n  {p}codes = load <{width} x i32>, ptr {p}np, align 4"]
+    else:
+        out.append(f"  {p}np = getelementptr i8, ptr {p}rp, i64 {t}goff8")
+    return out + [f"  {p}ahead = getelementptr i8, ptr {p}np, i64 {prefetch * width * 4}",
+                  f"  call void @llvm.prefetch.p0(ptr {p}ahead, i32 0, i32 3, i32 1)"]
 
 
-def _step(tag: str, i: int, rows: int, together: int, width: int) -> list[str]:
+def _weight(form: str, p: str, i: int, width: int) -> list[str]:
+    """Rebuild panel `p`'s weight vector `{p}w{i}` of step 8t + i: fma(q, d, m) from 4-bit codes ("affine4") or
+    d · q from 8-bit codes ("scaled8"); both exact (see the module docstring)."""
+    vec, lanes = f"<{width} x float>", f"<{width} x i32>"
+    if form == "scaled8":
+        return [f"  {p}cp{i} = getelementptr i8, ptr {p}np, i64 {i * width}",
+                f"  {p}c{i} = load <{width} x i8>, ptr {p}cp{i}, align 1\n  {p}q{i} = sext <{width} x i8> {p}c{i} to {lanes}",
+                f"  {p}qf{i} = sitofp {lanes} {p}q{i} to {vec}\n  {p}w{i} = fmul {vec} {p}qf{i}, {p}d"]
+    out, shifted = [], f"{p}codes"
+    if i:
+        shifted = f"{p}sh{i}"
+        out.append(f"  {shifted} = lshr {lanes} {p}codes, {_splat(width, 4 * i)}")
+    return out + [f"  {p}q{i} = and {lanes} {shifted}, {_splat(width, 15)}\n  {p}qf{i} = sitofp {lanes} {p}q{i} to {vec}",
+                  f"  {p}w{i} = call {vec} @llvm.fma.v{width}f32({vec} {p}qf{i}, {vec} {p}d, {vec} {p}m)"]
+
+
+def _step(form: str, tag: str, i: int, rows: int, together: int, width: int) -> list[str]:
     """Step 8t + i: broadcast each row's input, rebuild each panel's weight vector, one multiply-add per row."""
-    vec, lanes, fma = f"<{width} x float>", f"<{width} x i32>", f"@llvm.fma.v{width}f32"
+    vec, fma = f"<{width} x float>", f"@llvm.fma.v{width}f32"
     out = [f"  %{tag}k{i}_ = add i64 %{tag}k0, {i}\n  %{tag}xk{i} = mul i64 %{tag}k{i}_, %xs",
            f"  %{tag}xrow{i} = getelementptr float, ptr %x, i64 %{tag}xk{i}"]
     for m in range(rows):
@@ -98,12 +130,8 @@ def _step(tag: str, i: int, rows: int, together: int, width: int) -> list[str]:
                 f"  {x}h = insertelement {vec} poison, float {x}s, i32 0",
                 f"  {x} = shufflevector {vec} {x}h, {vec} poison, <{width} x i32> zeroinitializer"]
     for c in range(together):
-        p, shifted = f"%{tag}{c}", f"%{tag}{c}codes"
-        if i:
-            shifted = f"{p}sh{i}"
-            out.append(f"  {shifted} = lshr {lanes} {p}codes, {_splat(width, 4 * i)}")
-        out += [f"  {p}q{i} = and {lanes} {shifted}, {_splat(width, 15)}\n  {p}qf{i} = sitofp {lanes} {p}q{i} to {vec}",
-                f"  {p}w{i} = call {vec} {fma}({vec} {p}qf{i}, {vec} {p}d, {vec} {p}m)"]
+        p = f"%{tag}{c}"
+        out += _weight(form, p, i, width)
         out += [f"  %{tag}a{c}_{m}_{i + 1} = call {vec} {fma}({vec} %{tag}x{i}_{m}, {vec} {p}w{i}, {vec} %{tag}a{c}_{m}_{i})"
                 for m in range(rows)]
     return out

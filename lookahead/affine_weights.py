@@ -31,12 +31,18 @@ PROBE_ROWS = 64  # rows checked first, so a matrix without the form (an LM head 
 def affine_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(d [N, K/32], m [N, K/32], q [N, K] uint8) with weight == fma(q, d, m) bit for bit, every q in 0…15, or None
     when the float32 weight [N, K] has no such form (or K is not a multiple of 32)."""
+    return _checked(weight, _blocks_form)
+
+
+def _checked(weight: torch.Tensor, find):
+    """`find(weight)` for a float32 matrix whose width is a multiple of 32, its first PROBE_ROWS rows tried first;
+    None for any other weight or when `find` finds no form."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % AFFINE_BLOCK or not weight.numel():
         return None
     source = weight.detach()
-    if _blocks_form(source[:PROBE_ROWS]) is None:
+    if find(source[:PROBE_ROWS]) is None:
         return None
-    return _blocks_form(source)
+    return find(source)
 
 
 def _blocks_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -47,33 +53,72 @@ def _blocks_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     low, high = values.amin(-1, keepdim=True), values.amax(-1, keepdim=True)
     if not bool(torch.isfinite(low).all() and torch.isfinite(high).all()):
         return None
-    exact = (high.double() - low.double()) / LEVELS
-    half = exact.to(torch.float16)
-    found = torch.zeros(low.shape, dtype=torch.bool)
-    scale, codes = torch.zeros_like(low), torch.zeros(values.shape, dtype=torch.uint8)
-    for candidate in (half.float(), torch.nextafter(half, half.new_full((), float("inf"))).float(),
-                      torch.nextafter(half, half.new_zeros(())).float(), exact.float()):
-        q = torch.where(candidate > 0, (values - low) / torch.where(candidate > 0, candidate, 1.0), 0.0)
-        q = q.round().clamp(0, LEVELS)
-        rebuilt = torch.addcmul(low, q, candidate)  # d·q is exact, so this is fma(q, d, m)
-        fits = (rebuilt.view(torch.int32) == values.view(torch.int32)).all(-1, keepdim=True) & ~found
-        scale = torch.where(fits, candidate, scale)
-        codes = torch.where(fits, q.to(torch.uint8), codes)
-        found |= fits
-    if not bool(found.all()):
+    found = _first_fit(values, (high.double() - low.double()) / LEVELS, low, (0, LEVELS))
+    if found is None:
         return None
-    return scale[..., 0], low[..., 0], codes.reshape(n, k)
+    scale, codes = found
+    return scale.reshape(n, -1), low[..., 0], codes.reshape(n, k).to(torch.uint8)
+
+
+def _first_fit(values: torch.Tensor, exact: torch.Tensor, offset: torch.Tensor, codes_range: tuple[int, int]):
+    """(d, q) per block of `values` [N, B, 32] with values == fma(q, d, offset) bit for bit, q in `codes_range`, d the
+    first candidate that fits: float16(exact), its two float16 neighbours, float32(exact) (`exact` [N, B, 1] in
+    float64). None when some block has no fitting candidate. Each later candidate is tried on the blocks still
+    open only (the first fits nearly all: the LM head's 880k blocks are checked in ~1 s)."""
+    values, offset, exact = (t.reshape(-1, *t.shape[2:]) for t in (values, offset, exact))
+    half = exact.to(torch.float16)
+    candidates = (half.float(), torch.nextafter(half, half.new_full((), float("inf"))).float(),
+                  torch.nextafter(half, half.new_zeros(())).float(), exact.float())
+    scale, codes = torch.zeros_like(offset), torch.zeros(values.shape)
+    open_blocks = torch.arange(len(values))
+    for candidate in candidates:
+        d, block, base = candidate[open_blocks], values[open_blocks], offset[open_blocks]
+        q = torch.where(d > 0, (block - base) / torch.where(d > 0, d, 1.0), 0.0).round().clamp(*codes_range)
+        rebuilt = torch.addcmul(base, q, d)  # d·q is exact, so this is fma(q, d, offset)
+        fits = (rebuilt.view(torch.int32) == block.view(torch.int32)).all(-1)
+        scale[open_blocks[fits]], codes[open_blocks[fits]] = d[fits], q[fits]
+        open_blocks = open_blocks[~fits]
+        if not len(open_blocks):
+            return scale, codes
+    return None
+
+
+def scaled_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(d [N, K/32], q [N, K] int8) with weight == d · q bit for bit, or None when the float32 weight [N, K] has no
+    such form (or K is not a multiple of 32): GGUF's Q8_0 expanded to float32 (the default model's LM head)."""
+    return _checked(weight, _scaled_blocks)
+
+
+def _scaled_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`scaled_form` of every row: d the float16 nearest max |w| / 127 or one of its two float16 neighbours or that
+    quotient in float32, the first that rebuilds the whole block."""
+    n, k = weight.shape
+    values = weight.reshape(n, k // AFFINE_BLOCK, AFFINE_BLOCK)
+    top = values.abs().amax(-1, keepdim=True)
+    if not bool(torch.isfinite(top).all()):
+        return None
+    found = _first_fit(values, top.double() / 127, torch.zeros_like(top), (-127, 127))
+    if found is None:
+        return None
+    scale, codes = found
+    return scale.reshape(n, -1), codes.reshape(n, k).to(torch.int8)
 
 
 def pack_stacked(weights: list[torch.Tensor], bias: torch.Tensor | None = None) -> StreamedWeight:
     """The streamed kernel's weight for fp32 weights [N_i, K] stacked by rows: "affine4" panels when every weight
-    has the exact 4-bit form and the kernel builds here, else `streamed_gemm.pack_stacked`'s float32 panels."""
-    forms = [affine_form(weight) for weight in weights] if affine_available() else [None]
-    if any(form is None for form in forms):
-        return streamed_gemm.pack_stacked(weights, bias)
-    scales, offsets, codes = (torch.cat(parts) for parts in zip(*forms))
-    return StreamedWeight(_affine_panels(scales, offsets, codes), len(codes),
-                          None if bias is None else bias.detach().contiguous(), kind="affine4")
+    has the exact 4-bit form, else "scaled8" when every one has the exact 8-bit form (where the kernels build
+    here), else `streamed_gemm.pack_stacked`'s float32 panels."""
+    bias = None if bias is None else bias.detach().contiguous()
+    if affine_available():
+        forms = [affine_form(weight) for weight in weights]
+        if all(form is not None for form in forms):
+            scales, offsets, codes = (torch.cat(parts) for parts in zip(*forms))
+            return StreamedWeight(_affine_panels(scales, offsets, codes), len(codes), bias, kind="affine4")
+        forms = [scaled_form(weight) for weight in weights]
+        if all(form is not None for form in forms):
+            scales, codes = (torch.cat(parts) for parts in zip(*forms))
+            return StreamedWeight(_scaled_panels(scales, codes), len(codes), bias, kind="scaled8")
+    return streamed_gemm.pack_stacked(weights, bias)
 
 
 def _affine_panels(scales: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -94,22 +139,44 @@ def _affine_panels(scales: torch.Tensor, offsets: torch.Tensor, codes: torch.Ten
     return panels
 
 
+def _scaled_panels(scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """int32 words [N_pad / P, K / 32, 9, P] in the "scaled8" record layout of `affine_kernel` (padding zero)."""
+    width = streamed_gemm.vector_width()
+    n, k = codes.shape
+    pad = -n % width
+    blocks, records = (n + pad) // width, k // AFFINE_BLOCK
+    scales = torch.cat([scales, scales.new_zeros(pad, records)])
+    codes = torch.cat([codes, codes.new_zeros(pad, k)])  # int8 [N_pad, K]
+    steps = codes.reshape(blocks, width, records, AFFINE_BLOCK).permute(0, 2, 3, 1).contiguous()  # [.., 32, P]
+    panels = torch.empty(blocks, records, 9, width, dtype=torch.int32)
+    panels[:, :, 0] = scales.reshape(blocks, width, records).transpose(1, 2).view(torch.int32)
+    panels[:, :, 1:] = steps.view(torch.int32).reshape(blocks, records, 8, width)
+    return panels
+
+
 @functools.cache
 def affine_available() -> bool:
-    """Whether the streamed kernel is available and its "affine4" module builds and computes the float32 kernel's
-    very bits on a small case (checked once per process)."""
+    """Whether the streamed kernel is available and its "affine4" and "scaled8" modules build and compute the
+    float32 kernel's very bits on a small case (checked once per process)."""
     if not streamed_gemm.available():
         return False
     try:
         generator = torch.Generator().manual_seed(0)
-        codes = torch.randint(0, LEVELS + 1, (2 * streamed_gemm.vector_width() + 3, 2 * AFFINE_BLOCK),
-                              generator=generator, dtype=torch.uint8)
-        scales = torch.rand(codes.shape[0], 2, generator=generator).half().float()
-        offsets = -torch.rand(codes.shape[0], 2, generator=generator).half().float()
-        weight = torch.addcmul(offsets.repeat_interleave(AFFINE_BLOCK, 1), codes.float(),
-                               scales.repeat_interleave(AFFINE_BLOCK, 1))
-        x = torch.randn(streamed_gemm.rows_per_pass() + 3, weight.shape[1], generator=generator)
-        packed = StreamedWeight(_affine_panels(scales, offsets, codes), len(codes), None, kind="affine4")
-        return torch.equal(streamed_gemm.product(x, packed), streamed_gemm.product(x, streamed_gemm.pack(weight)))
-    except Exception:  # noqa: BLE001 — any failure to build or run the kernel means: not available here
+        n, k = 2 * streamed_gemm.vector_width() + 3, 2 * AFFINE_BLOCK
+        codes = torch.randint(0, LEVELS + 1, (n, k), generator=generator, dtype=torch.uint8)
+        signed = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+        scales = torch.rand(n, 2, generator=generator).half().float()
+        offsets = -torch.rand(n, 2, generator=generator).half().float()
+        x = torch.randn(streamed_gemm.rows_per_pass() + 3, k, generator=generator)
+        cases = ((_affine_panels(scales, offsets, codes), "affine4", _expand(scales, codes, offsets)),
+                 (_scaled_panels(scales, signed), "scaled8", _expand(scales, signed, torch.zeros_like(scales))))
+        return all(torch.equal(streamed_gemm.product(x, StreamedWeight(panels, n, None, kind=kind)),
+                               streamed_gemm.product(x, streamed_gemm.pack(weight))) for panels, kind, weight in cases)
+    except Exception:  # noqa: BLE001 — any failure to build or run the kernels means: not available here
         return False
+
+
+def _expand(scales: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The float32 weight fma(q, d, m) of per-block scales and offsets [N, K/32] and codes [N, K]."""
+    return torch.addcmul(offsets.repeat_interleave(AFFINE_BLOCK, 1), codes.float(),
+                         scales.repeat_interleave(AFFINE_BLOCK, 1))

@@ -9,9 +9,9 @@ bit-identical; the rest computes the same formulas with its own reductions (see 
 differ from the lean forward's in the last bits (~1e-6 relative), as any change of kernel does.
 
 It takes a call only when it computes exactly what the layer means: batch size 1, fp32 on the CPU, every product
-of this row count on the streamed kernel with float32 or exact 4-bit panels, the layer's cache a `SlabLayer` already holding the
-prompt (the keys and values are written into its slab), and a verification mask (`[1, 1, T, cached + T]`,
-additive float) or a single row with none. Anything else (a prefill, a sliding window, attention extras, a bool
+of this row count on the streamed kernel with float32 or exact block-form panels (`affine_weights`), the layer's
+cache a `SlabLayer` already holding the prompt (the keys and values are written into its slab), and a verification
+mask (`[1, 1, T, cached + T]`, additive float) or a single row with none. Anything else (a prefill, a sliding window, attention extras, a bool
 mask) returns None and the lean forward runs. A step of many rows over a long cache attends with PyTorch's SDPA
 between two compiled calls (`COMPILED_ATTENTION_MAX`).
 """
@@ -31,7 +31,7 @@ from .packed_linear import FusedMember, PackedLinear
 _ATTENTIONS = ("sdpa", "lookahead_tree")  # implementations whose meaning the fused attention computes
 _EXTRAS = ("position_bias", "cache", "softcap", "s_aux", "output_attentions")  # attention features it lacks
 _NO_MASK = np.empty((0, 0), np.float32)
-_KINDS = ("float32", "affine4")  # panels whose products are the weights' own (int8 panels are approximations)
+_KINDS = ("float32", "affine4", "scaled8")  # panels computing the weights' own products (int8: approximations)
 # Steps of more rows × slots than this attend with PyTorch's SDPA between two compiled calls: the compiled attention
 # computes each (row, head) on its own, quicker for a few rows and short caches; SDPA's blocked products for more.
 # Whole steps of the default model (AVX2, 2 threads), SDPA from 2048, 4096 or 8192 row-slots on: about even at
@@ -117,7 +117,7 @@ class FusedLayer:
 
     def _streamed_arrays(self, rows: int) -> tuple | None:
         """(dims, panel addresses, biases, kernel addresses) of the four products, or None unless all four compute
-        `rows` rows on the streamed kernel with float32 or exact 4-bit panels."""
+        `rows` rows on the streamed kernel with float32 or exact block-form panels."""
         if not all(p.default_rows < rows <= p.streamed_rows for p in self.packed):
             return None
         weights = tuple(p.streamed() for p in self.packed)

@@ -43,7 +43,7 @@ from llvmlite import ir as llvm_ir
 from numba.core import types as nb_types
 from numba.extending import intrinsic
 
-from .affine_kernel import AFFINE_BLOCK, affine_kernel_ir
+from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS, affine_kernel_ir
 from .compiled_ir import compiled_addresses, host_features
 
 # Weight vectors prefetched ahead: 4 KB with AVX-512 (measured: 4–32 too close, 128–256 no better, 512 worse). A
@@ -58,19 +58,20 @@ class StreamedWeight:
     """A weight [N, K] laid out as column panels for the streamed kernel; `panels` is [N_pad / P, K, P]
     (zero rows pad N to a multiple of P); `bias` [N] or None. float32 panels hold the weight itself; int8 panels
     (`quantize`) hold it rounded to `scales[n] · panels[…, n]`, and the product scales its output by `scales`;
-    "affine4" panels [N_pad / P, K / 32, 6, P] (int32) hold it exactly in 4-bit form (`affine_weights`)."""
+    "affine4" and "scaled8" panels [N_pad / P, K / 32, 6 or 9, P] (int32 words) hold it exactly in 4-bit or 8-bit
+    block form (`affine_weights`)."""
 
     panels: torch.Tensor
     out_features: int
     bias: torch.Tensor | None
     scales: torch.Tensor | None = None
-    kind: str = "float32"  # the panels' element layout: "float32", "int8" or "affine4" (`affine_weights`)
+    kind: str = "float32"  # the panels' element layout: "float32", "int8", "affine4" or "scaled8" (`affine_weights`)
 
     @property
     def in_features(self) -> int:
         """K, the width of the rows this weight multiplies."""
         k = self.panels.shape[1]
-        return k * AFFINE_BLOCK if self.kind == "affine4" else k
+        return k * AFFINE_BLOCK if self.kind in RECORD_FLOATS else k
 
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> StreamedWeight:
@@ -265,8 +266,8 @@ def module_ir(width: int, max_rows: int, weights: str = "float32") -> str:
     vec = f"<{width} x float>"
     parts = [f"declare {vec} @llvm.fma.v{width}f32({vec}, {vec}, {vec})",
              "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)"]
-    if weights == "affine4":
-        parts += [affine_kernel_ir(m, width, name=f"rows{m}") for m in range(1, max_rows + 1)]
+    if weights in RECORD_FLOATS:
+        parts += [affine_kernel_ir(m, width, name=f"rows{m}", form=weights) for m in range(1, max_rows + 1)]
     else:
         parts += [kernel_ir(m, width, name=f"rows{m}", weights=weights) for m in range(1, max_rows + 1)]
     args = ", ".join(f"i64 %{a}" for a in _ARGS[1:])
@@ -333,8 +334,8 @@ exit:
 def _kernel_address(weights: str = "float32") -> tuple[int, int]:
     """Addresses of the compiled `streamed_rows` dispatcher and of `transpose` for panels of `weights` ("float32"
     or "int8"; each module compiled on first use, ~0.15 s, or loaded from the disk cache, ~3 ms: `compiled_ir`)."""
-    if weights not in ("float32", "int8", "affine4"):
-        raise ValueError(f"streamed_gemm computes float32, int8 or affine4 panels, got {weights}")
+    if weights not in ("float32", "int8", *RECORD_FLOATS):
+        raise ValueError(f"streamed_gemm computes float32, int8, affine4 or scaled8 panels, got {weights}")
     ir = module_ir(vector_width(), rows_per_pass(), weights)
     return compiled_addresses(ir, ("streamed_rows", "transpose"), f"streamed-{weights}-{vector_width()}")
 

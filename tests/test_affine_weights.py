@@ -4,6 +4,8 @@ layout, and generation through them identical to plain greedy, with the compact 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tiny_models import build_tiny_model, repetitive_prompt, three_steps
@@ -28,6 +30,16 @@ def q4_1(weight: torch.Tensor) -> torch.Tensor:
     scale = (high - low) / 15
     codes = torch.where(scale > 0, (blocks - low) / torch.where(scale > 0, scale, 1), 0).round().clamp(0, 15)
     return (scale.half().float() * codes + low.half().float()).reshape(n, k)
+
+
+def q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] rounded as GGUF's Q8_0 does and expanded back: per block of 32, d = float16(max |w| / 127),
+    q = round(w / d) in -127…127, d·q."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // 32, 32)
+    scale = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    codes = torch.where(scale > 0, blocks / torch.where(scale > 0, scale, 1), 0).round().clamp(-127, 127)
+    return (scale * codes.to(torch.int8).float()).reshape(n, k)  # integer codes: a zero weight is +0, never -0
 
 
 def q4_0(n: int, k: int, seed: int) -> torch.Tensor:
@@ -75,6 +87,42 @@ def test_weights_without_the_form_are_refused():
     assert affine_form(infinite) is None
 
 
+@pytest.mark.parametrize("weight", [q8_0(torch.randn(70, 96)), q8_0(torch.randn(5, 32) * 1e-4)], ids=["q8_0", "small"])
+def test_the_scaled_form_is_found_and_rebuilds_every_weight_bit_for_bit(weight):
+    scales, codes = affine_weights.scaled_form(weight)
+    assert scales.shape == (weight.shape[0], weight.shape[1] // 32) and codes.dtype == torch.int8
+    assert _bits_equal(scales.repeat_interleave(32, 1) * codes.float(), weight)
+    assert affine_form(weight) is None  # 8-bit codes: more than 16 levels a block
+
+
+def test_weights_without_the_scaled_form_are_refused():
+    weight = q8_0(torch.randn(100, 64))
+    nudged = weight.clone()
+    nudged[99, 40] = torch.nextafter(nudged[99, 40], torch.tensor(float("inf")))
+    assert affine_weights.scaled_form(nudged) is None
+    assert affine_weights.scaled_form(torch.randn(16, 64)) is None
+    assert affine_weights.scaled_form(weight[:, :40]) is None
+    signed_zero = weight.clone()
+    signed_zero[50, 3] = -0.0  # equal to 0 but not 0 · d: its sign would be lost
+    assert affine_weights.scaled_form(signed_zero) is None
+
+
+def test_the_scaled_record_layout_holds_each_weights_code_and_scale():
+    weight = q8_0(torch.randn(19, 64))
+    packed = affine_weights.pack_stacked([weight])
+    width = streamed_gemm.vector_width()
+    assert packed.kind == "scaled8" and packed.in_features == 64 and packed.panels.shape[2] == 9
+    records = packed.panels
+    codes = records[:, :, 1:].contiguous().view(torch.int8).reshape(records.shape[0], 2, 32, width)
+    decoded = torch.empty(records.shape[0] * width, 64)
+    for column in range(decoded.shape[0]):
+        block, lane = divmod(column, width)
+        for k in range(64):
+            scale = records[block, k // 32, 0, lane:lane + 1].view(torch.float32)
+            decoded[column, k] = scale * float(codes[block, k // 32, k % 32, lane])
+    assert _bits_equal(decoded[:19], weight) and not decoded[19:].any()
+
+
 def test_the_record_layout_holds_each_weights_code_scale_and_offset():
     """Decode the panels by the layout `affine_kernel_ir` documents, in Python: the weight again, padding zero."""
     weight = q4_1(torch.randn(21, 64))
@@ -96,17 +144,18 @@ def test_the_record_layout_holds_each_weights_code_scale_and_offset():
 
 @needs_kernel
 @pytest.mark.parametrize("width", [8, 16])
-def test_products_are_bit_identical_to_the_float32_panels_for_any_row_count(monkeypatch, width):
+@pytest.mark.parametrize("form, rounding", [("affine4", q4_1), ("scaled8", q8_0)])
+def test_products_are_bit_identical_to_the_float32_panels_for_any_row_count(monkeypatch, width, form, rounding):
     """Every row count from 1 to past two passes (rows computed two panels at once, an odd panel left over, groups
     of rows), with a bias, on the AVX2 and the AVX-512 layouts compiled here."""
     monkeypatch.setattr(streamed_gemm, "vector_width", lambda: width)
     streamed_gemm._kernel_address.cache_clear()
     try:
         generator = torch.Generator().manual_seed(width)
-        weight = q4_1(torch.randn(5 * width + 3, 96, generator=generator))
+        weight = rounding(torch.randn(5 * width + 3, 96, generator=generator))
         bias = torch.randn(len(weight), generator=generator)
         compact, plain = affine_weights.pack_stacked([weight], bias), streamed_gemm.pack(weight, bias)
-        assert compact.kind == "affine4"
+        assert compact.kind == form
         for rows in range(1, 2 * streamed_gemm.rows_per_pass() + 4):
             x = torch.randn(rows, 96, generator=generator)
             assert torch.equal(streamed_gemm.product(x, compact), streamed_gemm.product(x, plain)), rows
@@ -122,12 +171,14 @@ def test_the_kernel_is_checked_before_use():
 
 
 def _affine_model(family: str, **extra):
-    """A tiny float32 model whose decoder layers' linear weights are rounded to Q4_1 values."""
+    """A tiny float32 model as the default model's GGUF holds it: its decoder layers' linear weights rounded to Q4_1
+    values, its LM head to Q8_0 values."""
     model = build_tiny_model(family, dtype=torch.float32, seed=5, layers=3, **extra)
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
                 module.weight.copy_(q4_1(module.weight))
+        model.lm_head.weight.copy_(q8_0(model.lm_head.weight))
     return model
 
 
@@ -143,7 +194,7 @@ def test_steps_on_compact_weights_equal_the_float32_panels_bit_for_bit(family):
             logits, _ = three_steps(model, prompt)
             kinds = {packed.streamed().kind for packed in packed_weights(model)}
         results[compact] = logits
-        assert kinds == ({"affine4", "float32"} if compact else {"float32"})  # the LM head has no such form
+        assert kinds == ({"affine4", "scaled8"} if compact else {"float32"})
     for with_form, without in zip(results[True], results[False]):
         assert torch.equal(with_form, without)
 
@@ -162,6 +213,24 @@ def test_greedy_on_compact_weights_is_plain_greedy(family, extra, config, monkey
         assert torch.equal(plain, fast)
     built = [packed.panels.kind for packed in packed_weights(model) if packed.panels is not None]
     assert built.count("affine4") == 4 * 3  # per layer: the q/k/v and gate/up stacks, o and down
+
+
+@needs_kernel
+@pytest.mark.parametrize("config", [LookaheadConfig(seed=11), replace(LookaheadConfig.off(), seed=11)],
+                         ids=["speculate", "off"])
+def test_seeded_sampling_on_compact_weights_equals_float32_panels(config, monkeypatch):
+    """Sampling reads the LM head's full logits, from "scaled8" panels here: the same seeded tokens as on float32
+    panels (same bits), with the compact head in use."""
+    monkeypatch.setattr(hf, "row_kernels_for", lambda model, refresh=False, quiet=False: RowKernels(0, 64))
+    model = _affine_model("llama")
+    outputs = {}
+    for compact in (True, False):
+        lookahead = Lookahead(replace(config, compact_weights=compact))
+        outputs[compact] = model.generate(repetitive_prompt(4), do_sample=True, temperature=0.8, max_new_tokens=40,
+                                          custom_generate=lookahead)
+        if compact:
+            assert "scaled8" in [p.panels.kind for p in packed_weights(model) if p.panels is not None]
+    assert torch.equal(outputs[True], outputs[False])
 
 
 def test_compact_weights_is_a_checked_option():
