@@ -1,17 +1,19 @@
-"""Weights held in their exact 4-bit form: the same float32 values, a sixth of the bytes to stream per step.
+"""Weights held in their exact block form: the same float32 values, a fifth of the bytes (or less) to stream.
 
-A one-row step streams every weight of the model from memory (the default model: 424 MB of float32 per step, ~28
+A one-row step streams every weight of the model from memory (the default model: 424 MB of float32 per step, ~24
 ms on a 2-core AVX2 machine), so its time is the time to read them. Models that come from a GGUF file quantized
-as Q4_0 or Q4_1 (the default model is Q4_1) hold float32 weights that are, by construction, `d · q + m` rounded
-once: per block of 32 weights along a row, a scale d and an offset m (GGUF stores them as float16) and 4-bit codes
-q. transformers expands them to float32 on load; this module finds that form again in the float32 values and keeps
-it, checked bit for bit, so the streamed kernel (`streamed_gemm.affine_kernel_ir`) rebuilds each weight in
-registers and does the very multiply-adds it does on the float32 weights: every product is bit-identical, from
-0.75 bytes per weight instead of 4.
+as Q4_0 or Q4_1 (the default model's layers are Q4_1) hold float32 weights that are, by construction, `d · q + m`
+rounded once: per block of 32 weights along a row, a scale d and an offset m (GGUF stores them as float16) and
+4-bit codes q; Q8_0 (the default model's LM head) holds `d · q` with 8-bit codes. transformers expands them to
+float32 on load; this module finds that form again in the float32 values and keeps it, checked bit for bit, so the
+streamed kernel (`affine_kernel`) rebuilds each weight in registers and does the very multiply-adds it does on the
+float32 weights: every product is bit-identical, from 0.75 ("affine4") or 1.125 ("scaled8") bytes per weight
+instead of 4.
 
-Nothing is assumed: a weight matrix gets this form only when every one of its weights equals `fma(q, d, m)` for
-the recovered d, m and q, compared as bit patterns; one weight that does not (any model trained or stored in
-float32 or bfloat16) leaves the whole matrix on float32 panels.
+Nothing is assumed: a weight matrix gets a form only when every one of its weights equals `fma(q, d, m)` for the
+recovered d, m and q, compared as bit patterns, with d a float16 value (at most 11 significant bits, so d · q is
+exact for 8-bit codes and the kernel's single rounding is the check's); one weight that does not (any model
+trained or stored in float32 or bfloat16) leaves the whole matrix on float32 panels.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _checked(weight: torch.Tensor, find):
 
 def _blocks_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """`affine_form` of every row of `weight`: m is each block's minimum, d the float16 nearest (max - m) / 15 or
-    one of its two float16 neighbours or that quotient in float32, the first that rebuilds the whole block."""
+    one of its two float16 neighbours, the first that rebuilds the whole block."""
     n, k = weight.shape
     values = weight.reshape(n, k // AFFINE_BLOCK, AFFINE_BLOCK)
     low, high = values.amin(-1, keepdim=True), values.amax(-1, keepdim=True)
@@ -62,13 +64,14 @@ def _blocks_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
 def _first_fit(values: torch.Tensor, exact: torch.Tensor, offset: torch.Tensor, codes_range: tuple[int, int]):
     """(d, q) per block of `values` [N, B, 32] with values == fma(q, d, offset) bit for bit, q in `codes_range`, d the
-    first candidate that fits: float16(exact), its two float16 neighbours, float32(exact) (`exact` [N, B, 1] in
-    float64). None when some block has no fitting candidate. Each later candidate is tried on the blocks still
-    open only (the first fits nearly all: the LM head's 880k blocks are checked in ~1 s)."""
+    first candidate that fits: float16(exact) or one of its two float16 neighbours (`exact` [N, B, 1] in float64) —
+    float16 values only, so that d·q is exact and `addcmul` here rounds once, as the kernel's fma does. None when
+    some block has no fitting candidate. Each later candidate is tried on the blocks still open only (the first
+    fits nearly all: the LM head's 880k blocks are checked in ~1 s)."""
     values, offset, exact = (t.reshape(-1, *t.shape[2:]) for t in (values, offset, exact))
     half = exact.to(torch.float16)
     candidates = (half.float(), torch.nextafter(half, half.new_full((), float("inf"))).float(),
-                  torch.nextafter(half, half.new_zeros(())).float(), exact.float())
+                  torch.nextafter(half, half.new_zeros(())).float())
     scale, codes = torch.zeros_like(offset), torch.zeros(values.shape)
     open_blocks = torch.arange(len(values))
     for candidate in candidates:
@@ -90,8 +93,8 @@ def scaled_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 
 
 def _scaled_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`scaled_form` of every row: d the float16 nearest max |w| / 127 or one of its two float16 neighbours or that
-    quotient in float32, the first that rebuilds the whole block."""
+    """`scaled_form` of every row: d the float16 nearest max |w| / 127 or one of its two float16 neighbours, the
+    first that rebuilds the whole block."""
     n, k = weight.shape
     values = weight.reshape(n, k // AFFINE_BLOCK, AFFINE_BLOCK)
     top = values.abs().amax(-1, keepdim=True)

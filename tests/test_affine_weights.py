@@ -85,6 +85,9 @@ def test_weights_without_the_form_are_refused():
     infinite = weight.clone()
     infinite[3, 3] = float("inf")
     assert affine_form(infinite) is None
+    codes = torch.arange(32).remainder(16).float().repeat(16, 2)
+    assert affine_form(codes * 0.1 - 1.0) is None  # d = float32 0.1, no float16 value: d·q would not be exact
+    assert affine_form(codes * 0.125 - 1.0) is not None  # the same codes with a float16 scale
 
 
 @pytest.mark.parametrize("weight", [q8_0(torch.randn(70, 96)), q8_0(torch.randn(5, 32) * 1e-4)], ids=["q8_0", "small"])
