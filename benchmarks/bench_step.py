@@ -9,7 +9,7 @@ For each arithmetic (`default`: PyTorch's own `nn.Linear` and transformers' SDPA
 SDPA without copying key/value heads) in transformers' decoder layers; `lean`: what generation uses, `packed` with
 the lean decoder layers (`lean_layers.py`: the same numbers without the per-module overhead; a step whose products
 all run on the streamed kernel runs each layer as one compiled call, `fused_layer.py`) and each row count's
-products on the kernel generation chooses (`row_kernels.py`), weights with an exact 4-bit form streamed in it
+products on the kernel generation chooses (`row_kernels.py`), weights with an exact block form streamed in it
 (`affine_weights.py`); `lean-float32`: `lean` with every weight on float32 panels; `lean-unfused`: `lean` without
 the compiled layer calls; `lean-onednn`: `lean` without the streamed kernel
 (`streamed_gemm.py`): the default matmul where it beats oneDNN (measured in the run), oneDNN for the rest, as

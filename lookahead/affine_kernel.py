@@ -24,9 +24,9 @@ order), the panel left over alone.
 from __future__ import annotations
 
 AFFINE_BLOCK = 32  # weights along K sharing one scale and offset (GGUF's Q4_0 / Q4_1 block)
-# Bytes prefetched ahead, in float32 vectors' worth (8 KB with AVX2, ~1400 steps of 0.75-byte weights). Measured on
-# the default model's products, one row (AVX2, noisy): 64 → 8.9 ms, 128 → 6.8–7.4, 256 → 6.2–9.1, 512 → 6.4–7.6,
-# 1024 → 7.4.
+# Bytes prefetched ahead, in float32 vectors' worth (8 KB with AVX2, ~1400 steps of 0.75-byte weights). Measured
+# on the default model's products, one row (AVX2, noisy): 64 → 8.9 ms, 128 → 6.8–7.4, 256 → 6.2–9.1,
+# 512 → 6.4–7.6, 1024 → 7.4.
 AFFINE_PREFETCH_STEPS = 256
 RECORD_FLOATS = {"affine4": 6, "scaled8": 9}  # a record's size per panel column, in 4-byte words
 _SIGNATURE = "(i64 %xa, i64 %xs, i64 %wa, i64 %ya, i64 %K, i64 %N, i64 %lo, i64 %hi)"
@@ -69,12 +69,15 @@ def _panel_loop(form: str, tag: str, rows: int, together: int, width: int, prefe
     vec = f"<{width} x float>"
     out = [f"{tag}panel:\n  %{tag}b = phi i64 [{first}, %{enter}], [%{tag}b_next, %{tag}store]",
            f"  %{tag}done = icmp sge i64 %{tag}b, {end}\n  br i1 %{tag}done, label %{leave}, label %{tag}start",
-           f"{tag}start:\n  br label %{tag}loop", f"{tag}loop:\n  %{tag}t = phi i64 [0, %{tag}start], [%{tag}t_next, %{tag}loop]"]
+           f"{tag}start:\n  br label %{tag}loop",
+           f"{tag}loop:\n  %{tag}t = phi i64 [0, %{tag}start], [%{tag}t_next, %{tag}loop]"]
     out += [f"  %{tag}a{c}_{m}_0 = phi {vec} [zeroinitializer, %{tag}start], [%{tag}a{c}_{m}_8, %{tag}loop]"
             for c in range(together) for m in range(rows)]
     out.append(f"  %{tag}rec = lshr i64 %{tag}t, 2\n  %{tag}g = and i64 %{tag}t, 3\n  %{tag}k0 = mul i64 %{tag}t, 8")
-    out.append(f"  %{tag}goff = mul i64 %{tag}g, {4 * width}\n  %{tag}goff2 = add i64 %{tag}goff, {8 * width}")
-    out.append(f"  %{tag}gstep = mul i64 %{tag}g, {8 * width}\n  %{tag}goff8 = add i64 %{tag}gstep, {4 * width}")
+    if form == "affine4":  # the group's code lanes: after d and m, 4·P bytes a group
+        out.append(f"  %{tag}goff = mul i64 %{tag}g, {4 * width}\n  %{tag}gcodes = add i64 %{tag}goff, {8 * width}")
+    else:  # the group's first step of codes: after d, P bytes a step
+        out.append(f"  %{tag}goff = mul i64 %{tag}g, {8 * width}\n  %{tag}gcodes = add i64 %{tag}goff, {4 * width}")
     for c in range(together):
         out += _record_loads(form, f"%{tag}{c}", f"%{tag}", c, width, prefetch)
     for i in range(8):
@@ -92,13 +95,15 @@ def _record_loads(form: str, p: str, t: str, c: int, width: int, prefetch: int) 
     ahead."""
     vec = f"<{width} x float>"
     out = [f"  {p}b = add i64 {t}b, {c}\n  {p}base = mul i64 {p}b, %records\n  {p}ri = add i64 {p}base, {t}rec",
-           f"  {p}roff = mul i64 {p}ri, {4 * width * RECORD_FLOATS[form]}\n  {p}rp = getelementptr i8, ptr %w, i64 {p}roff",
+           f"  {p}roff = mul i64 {p}ri, {4 * width * RECORD_FLOATS[form]}",
+           f"  {p}rp = getelementptr i8, ptr %w, i64 {p}roff",
            f"  {p}d = load {vec}, ptr {p}rp, align 4"]
     if form == "affine4":
         out += [f"  {p}mp = getelementptr i8, ptr {p}rp, i64 {4 * width}\n  {p}m = load {vec}, ptr {p}mp, align 4",
-                f"  {p}np = getelementptr i8, ptr {p}rp, i64 {t}goff2\n  {p}codes = load <{width} x i32>, ptr {p}np, align 4"]
+                f"  {p}np = getelementptr i8, ptr {p}rp, i64 {t}gcodes",
+                f"  {p}codes = load <{width} x i32>, ptr {p}np, align 4"]
     else:
-        out.append(f"  {p}np = getelementptr i8, ptr {p}rp, i64 {t}goff8")
+        out.append(f"  {p}np = getelementptr i8, ptr {p}rp, i64 {t}gcodes")
     return out + [f"  {p}ahead = getelementptr i8, ptr {p}np, i64 {prefetch * width * 4}",
                   f"  call void @llvm.prefetch.p0(ptr {p}ahead, i32 0, i32 3, i32 1)"]
 
@@ -109,13 +114,15 @@ def _weight(form: str, p: str, i: int, width: int) -> list[str]:
     vec, lanes = f"<{width} x float>", f"<{width} x i32>"
     if form == "scaled8":
         return [f"  {p}cp{i} = getelementptr i8, ptr {p}np, i64 {i * width}",
-                f"  {p}c{i} = load <{width} x i8>, ptr {p}cp{i}, align 1\n  {p}q{i} = sext <{width} x i8> {p}c{i} to {lanes}",
+                f"  {p}c{i} = load <{width} x i8>, ptr {p}cp{i}, align 1",
+                f"  {p}q{i} = sext <{width} x i8> {p}c{i} to {lanes}",
                 f"  {p}qf{i} = sitofp {lanes} {p}q{i} to {vec}\n  {p}w{i} = fmul {vec} {p}qf{i}, {p}d"]
     out, shifted = [], f"{p}codes"
     if i:
         shifted = f"{p}sh{i}"
         out.append(f"  {shifted} = lshr {lanes} {p}codes, {_splat(width, 4 * i)}")
-    return out + [f"  {p}q{i} = and {lanes} {shifted}, {_splat(width, 15)}\n  {p}qf{i} = sitofp {lanes} {p}q{i} to {vec}",
+    return out + [f"  {p}q{i} = and {lanes} {shifted}, {_splat(width, 15)}",
+                  f"  {p}qf{i} = sitofp {lanes} {p}q{i} to {vec}",
                   f"  {p}w{i} = call {vec} @llvm.fma.v{width}f32({vec} {p}qf{i}, {vec} {p}d, {vec} {p}m)"]
 
 
@@ -132,8 +139,8 @@ def _step(form: str, tag: str, i: int, rows: int, together: int, width: int) -> 
     for c in range(together):
         p = f"%{tag}{c}"
         out += _weight(form, p, i, width)
-        out += [f"  %{tag}a{c}_{m}_{i + 1} = call {vec} {fma}({vec} %{tag}x{i}_{m}, {vec} {p}w{i}, {vec} %{tag}a{c}_{m}_{i})"
-                for m in range(rows)]
+        out += [f"  %{tag}a{c}_{m}_{i + 1} = call {vec} {fma}({vec} %{tag}x{i}_{m}, {vec} {p}w{i}, "
+                f"{vec} %{tag}a{c}_{m}_{i})" for m in range(rows)]
     return out
 
 
@@ -145,7 +152,8 @@ def _stores(tag: str, rows: int, together: int, width: int) -> list[str]:
         for m in range(rows):
             y = f"%{tag}y{c}_{m}"
             out += [f"  {y}r = mul i64 %N, {m}\n  {y}i = add i64 {y}r, %{tag}col{c}",
-                    f"  {y}p = getelementptr float, ptr %y, i64 {y}i\n  store <{width} x float> %{tag}a{c}_{m}_8, ptr {y}p, align 4"]
+                    f"  {y}p = getelementptr float, ptr %y, i64 {y}i",
+                    f"  store <{width} x float> %{tag}a{c}_{m}_8, ptr {y}p, align 4"]
     return out
 
 

@@ -23,7 +23,7 @@ import functools
 import torch
 
 from . import streamed_gemm
-from .affine_kernel import AFFINE_BLOCK
+from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS
 from .streamed_gemm import StreamedWeight
 
 LEVELS = 15  # the largest 4-bit code: a Q4_1 block's maximum weight has code 15 (its minimum code 0)
@@ -125,36 +125,37 @@ def pack_stacked(weights: list[torch.Tensor], bias: torch.Tensor | None = None) 
 
 
 def _affine_panels(scales: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """int32 panels [N_pad / P, K / 32, 6, P] in `streamed_gemm.affine_kernel_ir`'s record layout (padding columns
+    """int32 words [N_pad / P, K / 32, 6, P] in the "affine4" record layout of `affine_kernel` (padding columns
     zero: d = m = q = 0 rebuild 0)."""
-    width = streamed_gemm.vector_width()
-    n, k = codes.shape
-    pad = -n % width
-    blocks, records = (n + pad) // width, k // AFFINE_BLOCK
-    scales, offsets = (torch.cat([t, t.new_zeros(pad, records)]) for t in (scales, offsets))
-    codes = torch.cat([codes, codes.new_zeros(pad, k)]).to(torch.int32)
+    panels, codes = _records([scales, offsets], codes, RECORD_FLOATS["affine4"])
+    blocks, records, _, width = panels.shape
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)  # step 8g + i in bits 4i … 4i + 3
-    lanes = (codes.reshape(n + pad, records, 4, 8) << shifts).sum(-1, dtype=torch.int32)  # [N_pad, records, 4]
-    panels = torch.empty(blocks, records, 6, width, dtype=torch.int32)
-    panels[:, :, 0] = scales.reshape(blocks, width, records).transpose(1, 2).view(torch.int32)
-    panels[:, :, 1] = offsets.reshape(blocks, width, records).transpose(1, 2).view(torch.int32)
-    panels[:, :, 2:] = lanes.reshape(blocks, width, records, 4).permute(0, 2, 3, 1)
+    lanes = (codes.to(torch.int32).reshape(-1, records, 4, 8) << shifts).sum(-1, dtype=torch.int32)
+    panels[:, :, 2:] = lanes.reshape(blocks, width, records, 4).permute(0, 2, 3, 1)  # lanes [N_pad, records, 4]
     return panels
 
 
 def _scaled_panels(scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """int32 words [N_pad / P, K / 32, 9, P] in the "scaled8" record layout of `affine_kernel` (padding zero)."""
-    width = streamed_gemm.vector_width()
-    n, k = codes.shape
-    pad = -n % width
-    blocks, records = (n + pad) // width, k // AFFINE_BLOCK
-    scales = torch.cat([scales, scales.new_zeros(pad, records)])
-    codes = torch.cat([codes, codes.new_zeros(pad, k)])  # int8 [N_pad, K]
+    panels, codes = _records([scales], codes, RECORD_FLOATS["scaled8"])
+    blocks, records, _, width = panels.shape
     steps = codes.reshape(blocks, width, records, AFFINE_BLOCK).permute(0, 2, 3, 1).contiguous()  # [.., 32, P]
-    panels = torch.empty(blocks, records, 9, width, dtype=torch.int32)
-    panels[:, :, 0] = scales.reshape(blocks, width, records).transpose(1, 2).view(torch.int32)
     panels[:, :, 1:] = steps.view(torch.int32).reshape(blocks, records, 8, width)
     return panels
+
+
+def _records(per_block: list[torch.Tensor], codes: torch.Tensor, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 panels [N_pad / P, K / 32, words, P] whose first words hold `per_block`'s float32 values [N, K / 32]
+    as one word per column — the rest left for the codes —, `codes` [N, K] padded with zero rows to N_pad)."""
+    width = streamed_gemm.vector_width()
+    n, k = codes.shape
+    pad, records = -n % width, k // AFFINE_BLOCK
+    blocks = (n + pad) // width
+    panels = torch.empty(blocks, records, words, width, dtype=torch.int32)
+    for word, values in enumerate(per_block):
+        padded = torch.cat([values, values.new_zeros(pad, records)])
+        panels[:, :, word] = padded.reshape(blocks, width, records).transpose(1, 2).view(torch.int32)
+    return panels, torch.cat([codes, codes.new_zeros(pad, k)])
 
 
 @functools.cache

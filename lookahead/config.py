@@ -43,8 +43,9 @@ class LookaheadConfig:
     as one compiled call (`fused_layer.py`: the same products, its own norms, attention and SiLU, equal to the
     lean forward's to ~1e-6 relative).
     `compact_weights` (with `packed_linear` and the streamed kernel): weights whose float32 values have an exact
-    4-bit form (models from GGUF files quantized as Q4_0 / Q4_1, the default model among them) stream from it,
-    checked bit for bit (`affine_weights.py`): the same products, bit for bit, from a sixth of the bytes.
+    4-bit or 8-bit block form (models from GGUF files quantized as Q4_0 / Q4_1 / Q8_0, the default model among
+    them) stream from it, checked bit for bit (`affine_weights.py`): the same products, bit for bit, from a fifth
+    of the bytes or less.
     `argmax_head` (with `packed_linear` and the streamed kernel; greedy without logits processors or returned
     scores): the LM head streams int8 weights and computes exact fp32 logits only for the tokens a proven error
     bound cannot rule out as a row's argmax (`argmax_head.py`): the same tokens, a quarter of its bytes.

@@ -210,7 +210,8 @@ def attention_inputs(kernels, transpose, threads, dims, panels, floats, biases, 
 
     dims: query heads, key heads, head dim, intermediate size, panel width, then the padded output widths of the
     q/k/v, o, gate/up and down products, then their bias lengths (0: none); panels: their weights' panel addresses;
-    kernels: the compiled kernel for each one's panels (`streamed_gemm._kernel_address`: float32 or affine4); floats: the two norms' eps, the hidden size, the attention scale; biases [4, max N]; norms [2, size]."""
+    kernels: the compiled kernel for each one's panels (`streamed_gemm._kernel_address` of its kind); floats: the
+    two norms' eps, the hidden size, the attention scale; biases [4, max N]; norms [2, size]."""
     rows, size = hidden.shape
     scratch = np.empty(rows * size, np.float32)
     normed = np.empty((rows, size), np.float32)

@@ -51,7 +51,7 @@ def packed_linears(model: nn.Module, enabled: bool = True, compact: bool = True)
     """Within the block, every packable `nn.Linear` of `model` runs on prepacked weights; yields how many
     layers were swapped (0 when disabled or nothing is packable). The originals are restored on exit, also on
     error. Not re-entrant for the same model (a nested call swaps nothing more). `compact`: the streamed kernel
-    holds weights that have an exact 4-bit form in it (`affine_weights`), else always float32."""
+    holds weights that have an exact 4-bit or 8-bit block form in it (`affine_weights`), else always float32."""
     if not enabled or not torch.backends.mkldnn.is_available() or getattr(model, "_lookahead_packed_on", False):
         yield 0
         return
@@ -96,7 +96,7 @@ def set_streamed_rows(model: nn.Module, rows: int) -> None:
 
 
 def set_compact_weights(model: nn.Module, compact: bool) -> None:
-    """Whether the streamed kernel's panels of `model`'s packed weights hold weights with an exact 4-bit form in
+    """Whether the streamed kernel's panels of `model`'s packed weights hold weights with an exact block form in
     it (`affine_weights`; panels built the other way are dropped); recorded as `model._lookahead_compact_weights`
     (the cost curve's cache key reads it)."""
     for packed in packed_weights(model):
@@ -168,7 +168,7 @@ class _PackedWeights:
         self.derived_layouts: dict = {}  # layouts other modules build from these weights (`derived`)
         self.default_rows = 0  # products of at most this many rows use the linears' own weights
         self.streamed_rows = 0  # products of more rows, up to this many, use the streamed kernel
-        self.compact = True  # streamed panels in the weights' exact 4-bit form where they have one
+        self.compact = True  # streamed panels in the weights' exact block form where they have one
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(oneDNN-packed weight, bias or None), fresh for the current parameters."""

@@ -21,9 +21,9 @@ Every output row is the same sequence of multiply-adds (k = 0, 1, … K-1 in ord
 a row's result does not depend on how many rows are computed with it (oneDNN and MKL switch kernels, and so
 rounding, with the row count). The numbers differ from PyTorch's default matmul in the last bits, as oneDNN's do.
 
-Weights with an exact 4-bit form (models from Q4_0 / Q4_1 GGUF files, the default model among them) can stream
-from it instead ("affine4" panels, `affine_weights`; kernel IR in `affine_kernel`): the same bits from 0.75 bytes
-per weight.
+Weights with an exact 4-bit or 8-bit block form (models from Q4_0 / Q4_1 / Q8_0 GGUF files, the default model
+among them) can stream from it instead ("affine4" / "scaled8" panels, `affine_weights`; kernel IR in
+`affine_kernel`): the same bits from 0.75 / 1.125 bytes per weight.
 
 The kernels are LLVM IR generated here (one function per row count up to `rows_per_pass()`, and a dispatcher),
 compiled for the host CPU with llvmlite (numba's own LLVM binding) once per process. `available()` is False when
@@ -256,8 +256,8 @@ def kernel_ir(rows: int, width: int, prefetch: int = PREFETCH_STEPS, name: str =
 
 
 def module_ir(width: int, max_rows: int, weights: str = "float32") -> str:
-    """The module: one `kernel_ir` (`affine_kernel_ir` for "affine4") per row count 1..max_rows (for panels of
-    `weights`), `transpose`, and
+    """The module: one `kernel_ir` (`affine_kernel_ir` for "affine4" / "scaled8") per row count 1..max_rows (for
+    panels of `weights`), `transpose`, and
     `streamed_rows(i64 rows, …, i64 lo, i64 hi)`, which computes any number of rows for panels lo ≤ b < hi.
     Up to max_rows rows: one kernel call for all the panels. More rows: panel by panel, the rows in groups of
     max_rows (the last group smaller), so a panel streamed from memory for the first group is read again from the
@@ -332,8 +332,9 @@ exit:
 
 @functools.cache
 def _kernel_address(weights: str = "float32") -> tuple[int, int]:
-    """Addresses of the compiled `streamed_rows` dispatcher and of `transpose` for panels of `weights` ("float32"
-    or "int8"; each module compiled on first use, ~0.15 s, or loaded from the disk cache, ~3 ms: `compiled_ir`)."""
+    """Addresses of the compiled `streamed_rows` dispatcher and of `transpose` for panels of `weights` ("float32",
+    "int8", "affine4" or "scaled8"; each module compiled on first use, ~0.15 s, or loaded from the disk cache,
+    ~3 ms: `compiled_ir`)."""
     if weights not in ("float32", "int8", *RECORD_FLOATS):
         raise ValueError(f"streamed_gemm computes float32, int8, affine4 or scaled8 panels, got {weights}")
     ir = module_ir(vector_width(), rows_per_pass(), weights)
