@@ -11,7 +11,8 @@ PyTorch path in the last bits, as the streamed kernel's products differ from PyT
 The attention computes each (row, query head) on its own, over the keys its mask row lets it see, the masked
 keys weighing exactly 0: `exp` is Cephes' single-precision polynomial with the power of two built from its
 exponent bits (a loop the compiler vectorises; within 1.02 ulp of the exact value over [-87, 0], measured against
-float64), and exactly 0 below e⁻⁸⁷.
+float64), and exactly 0 below e⁻⁸⁷. The scores and the weighted sum of values run on `attention_kernel`'s compiled
+loops when the head size is a multiple of 8 floats (numba's `_scores` / `_weighted_values` otherwise).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from .attention_kernel import call_dots, call_weighted
 from .streamed_gemm import _launch
 
 _REDUCE = {"reassoc", "nsz", "contract"}  # reductions: vectorised sums (their own order, deterministic)
@@ -140,30 +142,39 @@ def _weighted_values(weights, values, length, out):  # pragma: no cover - compil
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
-def attend(queries, keys, values, length, mask, scale, threads, out):  # pragma: no cover - compiled
+def attend(queries, keys, values, length, mask, scale, threads, kernels, out):  # pragma: no cover - compiled
     """out[t, h] = softmax(queries[t, h] · keys[g]ᵀ · scale + mask[t]) · values[g] over the first `length` cached
-    slots, g the key head of query head h (grouped-query); mask [rows, length] additive, or [0, 0]: none."""
+    slots, g the key head of query head h (grouped-query); mask [rows, length] additive, or [0, 0]: none.
+    kernels: the addresses of `attention_kernel`'s compiled `dots` and `weighted` for this head size, or empty
+    (numba's loops). The (row, query head) tasks run key head by key head, so a thread reads one head's keys and
+    values from its core's cache for all the rows and query heads that share them."""
     rows, query_heads, head_dim = queries.shape
     group = query_heads // keys.shape[0]
     tasks = rows * query_heads
-    scores = np.empty((tasks, length), np.float32)
-    powers = np.empty((tasks, length), np.float32)
     parts = max(1, min(threads, tasks))
     for part in numba.prange(parts):
+        row = np.empty(length, np.float32)  # a task's scores, then its weights
+        powers = np.empty(length, np.float32)
         for task in range(part * tasks // parts, (part + 1) * tasks // parts):
-            t, head = task // query_heads, task % query_heads
-            kv = head // group
-            row = scores[task]
-            _scores(queries[t, head], keys[kv], length, scale, row)
+            kv, member = task // (rows * group), task % (rows * group)
+            t, head = member // group, kv * group + member % group
+            if kernels.shape[0]:
+                call_dots(kernels[0], queries[t, head].ctypes.data, keys[kv].ctypes.data, length, row.ctypes.data,
+                          scale)
+            else:
+                _scores(queries[t, head], keys[kv], length, scale, row)
             if mask.shape[0]:
                 for s in range(length):
                     row[s] += mask[t, s]
             top = row[0]
             for s in range(1, length):
                 top = max(top, row[s])
-            _exp_below(row, length, top, powers[task])
-            inverse = np.float32(1.0) / _weights(row, powers[task], length)
-            _weighted_values(row, values[kv], length, out[t, head])
+            _exp_below(row, length, top, powers)
+            inverse = np.float32(1.0) / _weights(row, powers, length)
+            if kernels.shape[0]:
+                call_weighted(kernels[1], row.ctypes.data, values[kv].ctypes.data, length, out[t, head].ctypes.data)
+            else:
+                _weighted_values(row, values[kv], length, out[t, head])
             for i in range(head_dim):
                 out[t, head, i] *= inverse
 
@@ -188,16 +199,17 @@ def add_rows(a, b, columns, out):  # pragma: no cover - compiled
 
 @numba.njit(nogil=True, cache=True)
 def decoder_layer(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
-                  values, start, mask, out):  # pragma: no cover - compiled
+                  values, start, mask, attention, out):  # pragma: no cover - compiled
     """One Llama-style decoder layer for hidden [rows, size] at batch size 1, into out [rows, size]: the attention's
     inputs (`attention_inputs`), `attend` over the first start + rows slots with mask [rows, start + rows]
-    (additive, or [0, 0] for a row that sees every slot), the rest of the layer (`layer_output`)."""
+    (additive, or [0, 0] for a row that sees every slot; `attention` its compiled loops' addresses, or empty), the
+    rest of the layer (`layer_output`)."""
     rows = hidden.shape[0]
     queries = np.empty((rows, dims[0], dims[2]), np.float32)
     attention_inputs(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
                      values, start, queries)
     attended = np.empty((rows, dims[0], dims[2]), np.float32)
-    attend(queries, keys, values, start + rows, mask, floats[3], threads, attended)
+    attend(queries, keys, values, start + rows, mask, floats[3], threads, attention, attended)
     layer_output(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, attended, out)
 
 

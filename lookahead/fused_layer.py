@@ -11,9 +11,10 @@ differ from the lean forward's in the last bits (~1e-6 relative), as any change 
 It takes a call only when it computes exactly what the layer means: batch size 1, fp32 on the CPU, every product
 of this row count on the streamed kernel with float32 or exact block-form panels (`affine_weights`), the layer's
 cache a `SlabLayer` already holding the prompt (the keys and values are written into its slab), and a verification
-mask (`[1, 1, T, cached + T]`, additive float) or a single row with none. Anything else (a prefill, a sliding window, attention extras, a bool
-mask) returns None and the lean forward runs. A step of many rows over a long cache attends with PyTorch's SDPA
-between two compiled calls (`COMPILED_ATTENTION_MAX`).
+mask (`[1, 1, T, cached + T]`, additive float) or a single row with none. Anything else (a prefill, a sliding
+window, attention extras, a bool mask) returns None and the lean forward runs. The attention's inner loops are
+`attention_kernel`'s compiled ones when the head size is a multiple of 8 floats; with numba's, a step of many rows
+over a long cache attends with PyTorch's SDPA between two compiled calls (`COMPILED_ATTENTION_MAX`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import streamed_gemm
+from . import attention_kernel, streamed_gemm
 from .cache_layer import SlabLayer
 from .fused_kernels import attention_inputs, decoder_layer, layer_output
 from .packed_linear import FusedMember, PackedLinear
@@ -31,11 +32,15 @@ from .packed_linear import FusedMember, PackedLinear
 _ATTENTIONS = ("sdpa", "lookahead_tree")  # implementations whose meaning the fused attention computes
 _EXTRAS = ("position_bias", "cache", "softcap", "s_aux", "output_attentions")  # attention features it lacks
 _NO_MASK = np.empty((0, 0), np.float32)
+_NUMBA_ATTENTION = np.empty(0, np.int64)  # no compiled attention loops: numba's
 _KINDS = ("float32", "affine4", "scaled8")  # panels computing the weights' own products (int8: approximations)
-# Steps of more rows × slots than this attend with PyTorch's SDPA between two compiled calls: the compiled attention
-# computes each (row, head) on its own, quicker for a few rows and short caches; SDPA's blocked products for more.
-# Whole steps of the default model (AVX2, 2 threads), SDPA from 2048, 4096 or 8192 row-slots on: about even at
-# 12 rows × 312 slots, the compiled attention ahead at 4 × 1004 (45.8 vs 51.7 ms), SDPA at 12 × 1012 (56.1 vs 63.9).
+# With numba's attention loops (heads not a multiple of 8 floats), steps of more rows × slots than this attend with
+# PyTorch's SDPA between two compiled calls: numba's loops computed each (row, head) on its own, quicker for a few
+# rows and short caches; SDPA's blocked products for more (whole steps of the default model, AVX2, 2 threads: about
+# even at 12 rows × 312 slots, numba's loops ahead at 4 × 1004, 45.8 vs 51.7 ms, SDPA at 12 × 1012, 56.1 vs 63.9).
+# The compiled loops (`attention_kernel`) attend every step: whole steps of the default model, same machine, against
+# SDPA from 4096 row-slots on: 8 rows × 808 slots 50.8 vs 60.0 ms, 16 × 816 97.0 vs 100.5, 4 × 1504 39.9 vs 52.4,
+# 8 × 3008 90.6 vs 112.5, 16 × 3016 159.4 vs 169.9.
 COMPILED_ATTENTION_MAX = 4096
 
 
@@ -54,6 +59,8 @@ class FusedLayer:
         self.scaling = attn.scaling  # SDPA's scale as the layer's own attention passes it
         self.shape = (query_heads, key_heads, head_dim, intermediate)
         self._transpose = streamed_gemm._kernel_address("float32")[1]
+        self._attention = (np.array(attention_kernel.attention_addresses(head_dim), np.int64)
+                           if attention_kernel.supports(head_dim) else _NUMBA_ATTENTION)
         self._weights: tuple | None = None  # the StreamedWeights the arrays below were built from
         self._arrays: tuple | None = None
 
@@ -88,8 +95,8 @@ class FusedLayer:
                   hidden_states[0].contiguous().numpy())
         tables = (cos[0, 0].contiguous().numpy(), folded_sin[0, 0].contiguous().numpy(), keys[0].numpy(),
                   values[0].numpy(), start)
-        if rows == 1 or rows * (start + rows) <= COMPILED_ATTENTION_MAX:
-            decoder_layer(*common, *tables, mask, out[0].numpy())
+        if rows == 1 or self._attention.shape[0] or rows * (start + rows) <= COMPILED_ATTENTION_MAX:
+            decoder_layer(*common, *tables, mask, self._attention, out[0].numpy())
             return out
         queries = torch.empty(rows, self.shape[0], self.shape[2])
         attention_inputs(*common, *tables, queries.numpy())

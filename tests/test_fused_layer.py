@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import build_tiny_model, repetitive_prompt, three_steps
 
-from lookahead import Lookahead, LookaheadConfig, fused_kernels, fused_layer, hf, streamed_gemm
+from lookahead import Lookahead, LookaheadConfig, attention_kernel, fused_kernels, fused_layer, hf, streamed_gemm
 from lookahead.attention import tree_attention
 from lookahead.lean_layers import lean_layers
 from lookahead.packed_linear import packed_linears
@@ -60,10 +60,12 @@ def _run(model, prompt, kernels: RowKernels, fused: bool):
         return _steps(model, prompt)
 
 
-@pytest.mark.parametrize("attention", ["compiled", "sdpa"])
+@pytest.mark.parametrize("attention", ["compiled", "numba", "sdpa"])
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_fused_steps_compute_the_lean_forward_to_rounding(name, attention, monkeypatch):
-    if attention == "sdpa":  # every step of several rows attends with SDPA between two compiled calls
+    if attention != "compiled":  # numba's attention loops (heads of any size)
+        monkeypatch.setattr(attention_kernel, "supports", lambda head_dim: False)
+    if attention == "sdpa":  # with numba's loops, every step of several rows attends with SDPA between two calls
         monkeypatch.setattr(fused_layer, "COMPILED_ATTENTION_MAX", 0)
     model = _model(name)
     prompt = repetitive_prompt(1, length=30)
@@ -115,13 +117,19 @@ def _reference(queries, keys, values, mask, length):
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
+def _loops(kind: str) -> np.ndarray:
+    """`attend`'s `kernels` argument: the compiled loops for heads of 16 floats, or none (numba's)."""
+    return np.array(attention_kernel.attention_addresses(16), np.int64) if kind == "compiled" else np.empty(0, np.int64)
+
+
+@pytest.mark.parametrize("loops", ["compiled", "numba"])
 @pytest.mark.parametrize("rows,cached", [(1, 0), (1, 37), (5, 40), (13, 3)])
-def test_attention_matches_float64_and_masked_keys_weigh_exactly_nothing(rows, cached):
+def test_attention_matches_float64_and_masked_keys_weigh_exactly_nothing(rows, cached, loops):
     queries, keys, values, mask = _attention_inputs(rows, cached)
     length = cached + rows
     out = np.empty((rows, 6, 16), np.float32)
     fused_kernels.attend(queries.numpy(), keys.numpy(), values.numpy(), length, mask.numpy(), np.float32(0.25), 2,
-                         out)
+                         _loops(loops), out)
     torch.testing.assert_close(torch.from_numpy(out).double(), _reference(queries, keys, values, mask, length),
                                rtol=1e-5, atol=1e-6)
     poisoned = values.clone()  # huge values where a row's mask blocks: a weight of exactly 0 leaves them out
@@ -131,15 +139,16 @@ def test_attention_matches_float64_and_masked_keys_weigh_exactly_nothing(rows, c
         poisoned[:, cached + col] = 1e30
         again = np.empty_like(out)
         fused_kernels.attend(queries.numpy(), keys.numpy(), poisoned.numpy(), length, mask.numpy(), np.float32(0.25),
-                             2, again)
+                             2, _loops(loops), again)
         assert np.array_equal(again[row], out[row])
 
 
-def test_attention_without_a_mask_sees_every_slot():
+@pytest.mark.parametrize("loops", ["compiled", "numba"])
+def test_attention_without_a_mask_sees_every_slot(loops):
     queries, keys, values, _ = _attention_inputs(1, 20, seed=3)
     out = np.empty((1, 6, 16), np.float32)
     fused_kernels.attend(queries.numpy(), keys.numpy(), values.numpy(), 21, np.empty((0, 0), np.float32),
-                         np.float32(0.25), 1, out)
+                         np.float32(0.25), 1, _loops(loops), out)
     torch.testing.assert_close(torch.from_numpy(out).double(),
                                _reference(queries, keys, values, torch.zeros(1, 21), 21), rtol=1e-5, atol=1e-6)
 
