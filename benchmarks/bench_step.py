@@ -10,7 +10,9 @@ SDPA without copying key/value heads) in transformers' decoder layers; `lean`: w
 the lean decoder layers (`lean_layers.py`: the same numbers without the per-module overhead; a step whose products
 all run on the streamed kernel runs each layer as one compiled call, `fused_layer.py`) and each row count's
 products on the kernel generation chooses (`row_kernels.py`), weights with an exact block form streamed in it
-(`affine_weights.py`); `lean-float32`: `lean` with every weight on float32 panels; `lean-unfused`: `lean` without
+(`affine_weights.py`); `lean-float32`: `lean` with every weight on float32 panels; `lean-numba-attention`: `lean`
+with numba's attention loops instead of the compiled ones (`attention_kernel.py`), SDPA for many rows over a long
+cache, as before them; `lean-unfused`: `lean` without
 the compiled layer calls; `lean-onednn`: `lean` without the streamed kernel
 (`streamed_gemm.py`): the default matmul where it beats oneDNN (measured in the run), oneDNN for the rest, as
 generation computed before the streamed kernel; `packed-sdpa`:
@@ -51,8 +53,9 @@ LINEAR_KINDS = {"q_proj": "attn q/k/v", "k_proj": "attn q/k/v", "v_proj": "attn 
                 "gate_up_proj": "mlp gate/up", "down_proj": "mlp down", "lm_head": "lm head"}
 PARTS = ("attn q/k/v", "attn o", "mlp gate/up", "mlp down", "lm head", "attention", "other forward",
          "mask building", "cache compaction")
-VARIANTS = ("default", "packed", "lean", "lean-float32", "lean-unfused", "lean-onednn", "packed-sdpa", "packed-unfused")
-LEAN = ("lean", "lean-float32", "lean-unfused", "lean-onednn")
+VARIANTS = ("default", "packed", "lean", "lean-float32", "lean-numba-attention", "lean-unfused", "lean-onednn",
+            "packed-sdpa", "packed-unfused")
+LEAN = ("lean", "lean-float32", "lean-numba-attention", "lean-unfused", "lean-onednn")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,12 +162,28 @@ def linear_variant(model, variant: str, packed_sets: dict, kernels=None):
     attention = "sdpa" if variant == "packed-sdpa" else "auto"
     try:
         with (packed_linear.packed_linears(model, compact=variant != "lean-float32"), tree_attention(model, attention),
+              _attention_loops(compiled=variant != "lean-numba-attention"),
               lean_layers(model, variant in LEAN, fused=variant != "lean-unfused")):
             apply_row_kernels(model, kernels or RowKernels())
             yield
     finally:
         packed_linear.FUSED_GROUPS = saved
         packed_sets[grouping] = model.__dict__.pop(packed_linear._CACHE_ATTR)
+
+
+@contextlib.contextmanager
+def _attention_loops(compiled: bool):
+    """Within the block, the fused layers built take the compiled attention loops (`attention_kernel`) only if
+    `compiled`; otherwise numba's, as before them."""
+    from lookahead import attention_kernel
+
+    saved = attention_kernel.supports
+    if not compiled:
+        attention_kernel.supports = lambda head_dim: False
+    try:
+        yield
+    finally:
+        attention_kernel.supports = saved
 
 
 def one_step(model, cache, prefix: int, k: int, vocab: int, timer) -> dict:

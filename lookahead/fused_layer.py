@@ -62,6 +62,7 @@ class FusedLayer:
         self._attention = (np.array(attention_kernel.attention_addresses(head_dim), np.int64)
                            if attention_kernel.supports(head_dim) else _NUMBA_ATTENTION)
         self._weights: tuple | None = None  # the StreamedWeights the arrays below were built from
+        self._slab_views: tuple | None = None  # (key slab, value slab, their numpy views)
         self._arrays: tuple | None = None
 
     @staticmethod
@@ -89,22 +90,28 @@ class FusedLayer:
         layer = past_key_values.layers[self.layer_idx]
         start = layer.get_seq_length()
         keys, values = layer.reserve(rows)
-        out = torch.empty_like(hidden_states)
+        source = _rows(hidden_states)  # before `_new_output` replaces the previous layer's output
+        out, out_rows = _new_output(hidden_states)
         threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-        common = (arrays[3], self._transpose, threads, *arrays[:2], self.floats, arrays[2], self.norms,
-                  hidden_states[0].contiguous().numpy())
-        tables = (cos[0, 0].contiguous().numpy(), folded_sin[0, 0].contiguous().numpy(), keys[0].numpy(),
-                  values[0].numpy(), start)
+        common = (arrays[3], self._transpose, threads, *arrays[:2], self.floats, arrays[2], self.norms, source)
+        tables = (_plane(cos), _plane(folded_sin), *self._slabs(keys, values), start)
         if rows == 1 or self._attention.shape[0] or rows * (start + rows) <= COMPILED_ATTENTION_MAX:
-            decoder_layer(*common, *tables, mask, self._attention, out[0].numpy())
+            decoder_layer(*common, *tables, mask, self._attention, out_rows)
             return out
         queries = torch.empty(rows, self.shape[0], self.shape[2])
         attention_inputs(*common, *tables, queries.numpy())
         attended = torch.nn.functional.scaled_dot_product_attention(
             queries.transpose(0, 1)[None], keys[:, :, :start + rows], values[:, :, :start + rows],
             attn_mask=attention_mask, scale=self.scaling, enable_gqa=True)  # [1, heads, rows, D]
-        layer_output(*common, attended[0].transpose(0, 1).contiguous().numpy(), out[0].numpy())
+        layer_output(*common, attended[0].transpose(0, 1).contiguous().numpy(), out_rows)
         return out
+
+    def _slabs(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """The cache's key and value slabs' first batch entry as numpy arrays (views), kept while the slabs are
+        the same tensors."""
+        if self._slab_views is None or self._slab_views[0] is not keys or self._slab_views[1] is not values:
+            self._slab_views = (keys, values, keys[0].numpy(), values[0].numpy())
+        return self._slab_views[2:]
 
     def _mask(self, attention_mask: torch.Tensor | None, rows: int, past_key_values) -> np.ndarray | None:
         """The mask as [rows, cached + rows] float32 (or the empty "none" mask for a lone row), or None when the
@@ -120,7 +127,7 @@ class FusedLayer:
         length = layer.get_seq_length() + rows
         if attention_mask.dtype != torch.float32 or tuple(attention_mask.shape) != (1, 1, rows, length):
             return None
-        return attention_mask[0, 0].contiguous().numpy()
+        return _plane(attention_mask)
 
     def _streamed_arrays(self, rows: int) -> tuple | None:
         """(dims, panel addresses, biases, kernel addresses) of the four products, or None unless all four compute
@@ -148,3 +155,45 @@ class FusedLayer:
         kernels = np.array([streamed_gemm._kernel_address(w.kind)[0] for w in weights], np.int64)
         return dims, panels, biases, kernels
 
+
+
+
+# Every layer of a forward passes the same mask and RoPE tables, and each layer's input is the previous one's output:
+# their numpy views are made once and found again by identity (a few microseconds each, ~1 ms over a step of 30
+# layers otherwise). Only views are kept (a plane that is not contiguous is copied anew on every call), so an
+# in-place change of a tensor is always seen; an entry holds its tensor, so its id is not reused while it is kept.
+_PLANES: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+_MAX_PLANES = 8
+_last_output: tuple = (None, None)  # (the last output tensor a fused layer made, its rows' numpy view)
+
+
+def _plane(tensor: torch.Tensor) -> np.ndarray:
+    """tensor[0, 0] (a `[1, 1, T, S]` mask or `[1, 1, T, D]` RoPE table) as a float32 numpy array."""
+    entry = _PLANES.get(id(tensor))
+    if entry is not None and entry[0] is tensor:
+        return entry[1]
+    plane = tensor[0, 0]
+    if not plane.is_contiguous():
+        return plane.contiguous().numpy()
+    if len(_PLANES) >= _MAX_PLANES:
+        _PLANES.clear()
+    _PLANES[id(tensor)] = (tensor, plane.numpy())
+    return _PLANES[id(tensor)][1]
+
+
+def _rows(hidden_states: torch.Tensor) -> np.ndarray:
+    """hidden_states[0] (`[1, T, hidden]`) as a float32 numpy array: the previous fused layer's view of its output
+    when that is what the layer got."""
+    tensor, rows = _last_output
+    if tensor is hidden_states:
+        return rows
+    return hidden_states[0].contiguous().numpy()
+
+
+def _new_output(hidden_states: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+    """A `[1, T, hidden]` float32 output tensor shaped like hidden_states and its rows as a numpy view."""
+    global _last_output
+    rows = np.empty(hidden_states.shape[1:], np.float32)
+    out = torch.from_numpy(rows).unsqueeze(0)
+    _last_output = (out, rows)
+    return out, rows

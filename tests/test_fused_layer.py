@@ -165,3 +165,24 @@ def test_greedy_through_fused_layers_is_plain_greedy(name, config, monkeypatch):
         fast = model.generate(prompt, do_sample=False, max_new_tokens=40, custom_generate=Lookahead(config))
         assert torch.equal(plain, fast)
     assert calls.count > 0  # every step after the prefill ran the fused layers
+
+
+def test_numpy_views_made_once_per_forward_see_in_place_changes_and_copy_what_is_not_contiguous():
+    mask = torch.zeros(1, 1, 3, 5)
+    plane = fused_layer._plane(mask)
+    assert fused_layer._plane(mask) is plane  # the next layer of the forward: the same view
+    mask[0, 0, 1, 2] = -7.0  # changed in place between calls: the remembered view shows it
+    assert fused_layer._plane(mask)[1, 2] == -7.0
+    strided = torch.zeros(1, 1, 5, 3).transpose(-1, -2)  # a plane that is not contiguous: a fresh copy each call
+    first = fused_layer._plane(strided)
+    strided[0, 0, 0, 0] = 4.0
+    assert fused_layer._plane(strided)[0, 0] == 4.0 and first[0, 0] == 0.0
+
+
+def test_a_layer_reads_the_previous_layers_output_view_and_converts_any_other_input():
+    hidden = torch.randn(1, 2, 4)
+    out, rows = fused_layer._new_output(hidden)
+    assert out.shape == hidden.shape and out.dtype == torch.float32
+    assert fused_layer._rows(out) is rows  # the next layer's input is this output
+    other = torch.randn(1, 2, 4)
+    np.testing.assert_array_equal(fused_layer._rows(other), other[0].numpy())
