@@ -15,9 +15,9 @@ with numba's attention loops instead of the compiled ones (`attention_kernel.py`
 cache, as before them; `lean-unfused`: `lean` without
 the compiled layer calls; `lean-onednn`: `lean` without the streamed kernel
 (`streamed_gemm.py`): the default matmul where it beats oneDNN (measured in the run), oneDNN for the rest, as
-generation computed before the streamed kernel; `packed-sdpa`:
-prepacked and fused, with transformers' SDPA; `packed-unfused`: prepacked, every projection on its own, `lookahead_tree` attention) and each
-row count k, a real verification step is built (a draft tree of k nodes: root + a chain of k-1 drafts, packed with
+generation computed before the streamed kernel; `packed-sdpa`: prepacked and fused, with transformers' SDPA;
+`packed-unfused`: prepacked, every projection on its own, `lookahead_tree` attention) and each row count k,
+a real verification step is built (a draft tree of k nodes: root + a chain of k-1 drafts, packed with
 `layout.pack`, the model's forward with the 4D tree mask on a `--prefix`-token cache, then the cache compaction
 keeping half of the drafts; `default` on plain HF's cache, the others on the cache generation uses, appending into
 a slab: `cache_layer.py`). Parts:

@@ -106,7 +106,7 @@ def dots_ir(head_dim: int) -> str:
     _pairwise(emit, "u1", "u", "u")  # lanes [u01, u23, u45, u67, …]: the same tree as a block's, one key
     _pairwise(emit, "u2", "u1", "u1")  # [u0123, u4567, …]
     _pairwise(emit, "u3", "u2", "u2")  # [u01234567, …]
-    emit("  %dot = extractelement <8 x float> %u3, i32 0\n  %score = fmul float %dot, %scale")
+    emit(f"  %dot = extractelement {VEC} %u3, i32 0\n  %score = fmul float %dot, %scale")
     emit("  %tp = getelementptr float, ptr %out, i64 %t\n  store float %score, ptr %tp, align 4")
     emit("  %t_next = add i64 %t, 1\n  br label %tail_test")
     emit("exit:\n  ret void\n}")
@@ -121,14 +121,15 @@ def weighted_ir(head_dim: int) -> str:
     out = []
     emit = out.append
     emit("define void @weighted(i64 %wa, i64 %va, i64 %count, i64 %oa) {")
-    emit("entry:\n  %w = inttoptr i64 %wa to ptr\n  %values = inttoptr i64 %va to ptr\n  %out = inttoptr i64 %oa to ptr")
+    emit("entry:\n  %w = inttoptr i64 %wa to ptr\n  %values = inttoptr i64 %va to ptr")
+    emit("  %out = inttoptr i64 %oa to ptr")
     emit(f"  %groups_end = sub i64 %count, {chains - 1}\n  br label %group_test")
     emit("group_test:\n  %s = phi i64 [0, %entry], [%s_next, %group]")
     _phis(emit, chains, vectors, "acc", "entry", "next", "group")
     emit("  %more = icmp slt i64 %s, %groups_end\n  br i1 %more, label %group, label %tail_test")
     emit("group:")
     for c in range(chains):
-        _accumulate(emit, f"%s", c, vectors, head_dim, f"g{c}", "acc", "next")
+        _accumulate(emit, "%s", c, vectors, head_dim, f"g{c}", "acc", "next")
     emit(f"  %s_next = add i64 %s, {chains}\n  br label %group_test")
     emit("tail_test:\n  %t = phi i64 [%s, %group_test], [%t_next, %tail]")
     _phis(emit, chains, vectors, "tacc", "group_test", "tnext", "tail", first="acc")
@@ -145,7 +146,8 @@ def weighted_ir(head_dim: int) -> str:
         for c in range(1, chains):
             emit(f"  %fin{c}_{v} = fadd {VEC} {total}, %tacc{c}_{v}")
             total = f"%fin{c}_{v}"
-        emit(f"  %outp{v} = getelementptr float, ptr %out, i64 {v * LANES}\n  store {VEC} {total}, ptr %outp{v}, align 4")
+        emit(f"  %outp{v} = getelementptr float, ptr %out, i64 {v * LANES}")
+        emit(f"  store {VEC} {total}, ptr %outp{v}, align 4")
     emit("  ret void\n}")
     return "\n".join(out)
 
@@ -163,11 +165,13 @@ def _accumulate(emit, slot: str, c: int, vectors: int, head_dim: int, tag: str, 
     """IR: %{result}{c}_{v} = fma(w[slot + c], values[slot + c, v], %{acc}{c}_{v}) for every vector v; with `sets`,
     the one key at `slot` goes into the set %is{k} selects and every other set keeps its value."""
     emit(f"  %{tag}_slot = add i64 {slot}, {c}\n  %{tag}_wp = getelementptr float, ptr %w, i64 %{tag}_slot")
-    emit(f"  %{tag}_w = load float, ptr %{tag}_wp, align 4\n  %{tag}_wh = insertelement {VEC} poison, float %{tag}_w, i32 0")
+    emit(f"  %{tag}_w = load float, ptr %{tag}_wp, align 4")
+    emit(f"  %{tag}_wh = insertelement {VEC} poison, float %{tag}_w, i32 0")
     emit(f"  %{tag}_ws = shufflevector {VEC} %{tag}_wh, {VEC} poison, <{LANES} x i32> zeroinitializer")
     emit(f"  %{tag}_off = mul i64 %{tag}_slot, {head_dim}")
     for v in range(vectors):
-        emit(f"  %{tag}_i{v} = add i64 %{tag}_off, {v * LANES}\n  %{tag}_vp{v} = getelementptr float, ptr %values, i64 %{tag}_i{v}")
+        emit(f"  %{tag}_i{v} = add i64 %{tag}_off, {v * LANES}")
+        emit(f"  %{tag}_vp{v} = getelementptr float, ptr %values, i64 %{tag}_i{v}")
         emit(f"  %{tag}_v{v} = load {VEC}, ptr %{tag}_vp{v}, align 4")
         for k in range(sets) if sets else (c,):
             fused = f"{tag}_f{k}_{v}" if sets else f"{result}{k}_{v}"
