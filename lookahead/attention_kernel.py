@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import functools
 
-from llvmlite import ir as llvm_ir
 from numba import types as nb_types
 from numba.extending import intrinsic
 
-from .compiled_ir import compiled_addresses
+from .compiled_ir import call_codegen, compiled_addresses
 
 LANES = 8
 VEC = f"<{LANES} x float>"
@@ -184,23 +183,11 @@ def _accumulate(emit, slot: str, c: int, vectors: int, head_dim: int, tag: str, 
 @intrinsic
 def call_dots(typingctx, address, q, keys, count, out, scale):
     """Call the compiled `dots` at `address` (numba has no call-by-address): four i64 arguments and a float."""
-    return nb_types.void(*([nb_types.int64] * 5), nb_types.float32), _codegen(4, with_float=True)
+    return nb_types.void(*([nb_types.int64] * 5), nb_types.float32), call_codegen(4, with_float=True)
 
 
 @intrinsic
 def call_weighted(typingctx, address, w, values, count, out):
     """Call the compiled `weighted` at `address` with four i64 arguments."""
-    return nb_types.void(*([nb_types.int64] * 5)), _codegen(4)
+    return nb_types.void(*([nb_types.int64] * 5)), call_codegen(4)
 
-
-def _codegen(integers: int, with_float: bool = False):
-    """numba codegen calling the function at the first argument's address with the other arguments: `integers`
-    i64s, then a float if `with_float`."""
-
-    def codegen(context, builder, signature, args):
-        arguments = [llvm_ir.IntType(64)] * integers + ([llvm_ir.FloatType()] if with_float else [])
-        function = llvm_ir.FunctionType(llvm_ir.VoidType(), arguments)
-        builder.call(builder.inttoptr(args[0], function.as_pointer()), args[1:])
-        return context.get_dummy_value()
-
-    return codegen

@@ -103,3 +103,17 @@ def _write(path: Path | None, code: bytes) -> None:
         os.replace(handle.name, path)
     except OSError:
         return
+
+
+def call_codegen(integers: int, with_float: bool = False):
+    """numba intrinsic codegen calling the compiled function at the first argument's address (numba has no
+    call-by-address) with the other arguments: `integers` i64s, then a float if `with_float`; returns nothing."""
+    from llvmlite import ir as llvm_ir
+
+    def codegen(context, builder, signature, args):
+        arguments = [llvm_ir.IntType(64)] * integers + ([llvm_ir.FloatType()] if with_float else [])
+        function = llvm_ir.FunctionType(llvm_ir.VoidType(), arguments)
+        builder.call(builder.inttoptr(args[0], function.as_pointer()), args[1:])
+        return context.get_dummy_value()
+
+    return codegen

@@ -39,12 +39,11 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 import torch
-from llvmlite import ir as llvm_ir
 from numba.core import types as nb_types
 from numba.extending import intrinsic
 
 from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS, affine_kernel_ir
-from .compiled_ir import compiled_addresses, host_features
+from .compiled_ir import call_codegen, compiled_addresses, host_features
 
 # Weight vectors prefetched ahead: 4 KB with AVX-512 (measured: 4–32 too close, 128–256 no better, 512 worse). A
 # prefetch past the end of the panels is harmless (x86 prefetches never fault).
@@ -344,25 +343,13 @@ def _kernel_address(weights: str = "float32") -> tuple[int, int]:
 @intrinsic
 def _call_address(typingctx, address, rows, x, xs, w, y, k, n, lo, hi):
     """Call the compiled dispatcher at `address` with nine i64 arguments (numba has no call-by-address)."""
-    return nb_types.void(*([nb_types.int64] * 10)), _call_codegen(9)
+    return nb_types.void(*([nb_types.int64] * 10)), call_codegen(9)
 
 
 @intrinsic
 def _call_transpose(typingctx, address, x, xt, rows, k):
     """Call the compiled `transpose` at `address` with four i64 arguments."""
-    return nb_types.void(*([nb_types.int64] * 5)), _call_codegen(4)
-
-
-def _call_codegen(arguments: int):
-    """numba codegen calling the function at the first argument's address with the other `arguments` i64s."""
-
-    def codegen(context, builder, signature, args):
-        i64 = llvm_ir.IntType(64)
-        fnty = llvm_ir.FunctionType(llvm_ir.VoidType(), [i64] * arguments)
-        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), args[1:])
-        return context.get_dummy_value()
-
-    return codegen
+    return nb_types.void(*([nb_types.int64] * 5)), call_codegen(4)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
