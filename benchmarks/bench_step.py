@@ -12,7 +12,8 @@ all run on the streamed kernel runs each layer as one compiled call, `fused_laye
 products on the kernel generation chooses (`row_kernels.py`), weights with an exact block form streamed in it
 (`affine_weights.py`); `lean-float32`: `lean` with every weight on float32 panels; `lean-numba-attention`: `lean`
 with numba's attention loops instead of the compiled ones (`attention_kernel.py`), SDPA for many rows over a long
-cache, as before them; `lean-unfused`: `lean` without
+cache, as before them; `lean-layer-calls`: `lean` with one compiled call per layer instead of one for the whole
+stack (`fused_stack.py`), as before it; `lean-unfused`: `lean` without
 the compiled layer calls; `lean-onednn`: `lean` without the streamed kernel
 (`streamed_gemm.py`): the default matmul where it beats oneDNN (measured in the run), oneDNN for the rest, as
 generation computed before the streamed kernel; `packed-sdpa`: prepacked and fused, with transformers' SDPA;
@@ -53,9 +54,9 @@ LINEAR_KINDS = {"q_proj": "attn q/k/v", "k_proj": "attn q/k/v", "v_proj": "attn 
                 "gate_up_proj": "mlp gate/up", "down_proj": "mlp down", "lm_head": "lm head"}
 PARTS = ("attn q/k/v", "attn o", "mlp gate/up", "mlp down", "lm head", "attention", "other forward",
          "mask building", "cache compaction")
-VARIANTS = ("default", "packed", "lean", "lean-float32", "lean-numba-attention", "lean-unfused", "lean-onednn",
-            "packed-sdpa", "packed-unfused")
-LEAN = ("lean", "lean-float32", "lean-numba-attention", "lean-unfused", "lean-onednn")
+VARIANTS = ("default", "packed", "lean", "lean-float32", "lean-numba-attention", "lean-layer-calls", "lean-unfused",
+            "lean-onednn", "packed-sdpa", "packed-unfused")
+LEAN = ("lean", "lean-float32", "lean-numba-attention", "lean-layer-calls", "lean-unfused", "lean-onednn")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,7 +163,7 @@ def linear_variant(model, variant: str, packed_sets: dict, kernels=None):
     attention = "sdpa" if variant == "packed-sdpa" else "auto"
     try:
         with (packed_linear.packed_linears(model, compact=variant != "lean-float32"), tree_attention(model, attention),
-              _attention_loops(compiled=variant != "lean-numba-attention"),
+              _attention_loops(compiled=variant != "lean-numba-attention"), _stack(variant != "lean-layer-calls"),
               lean_layers(model, variant in LEAN, fused=variant != "lean-unfused")):
             apply_row_kernels(model, kernels or RowKernels())
             yield
@@ -184,6 +185,21 @@ def _attention_loops(compiled: bool):
         yield
     finally:
         attention_kernel.supports = saved
+
+
+@contextlib.contextmanager
+def _stack(enabled: bool):
+    """Within the block, lean layers installed run a step's whole stack in one compiled call (`fused_stack`) only if
+    `enabled`; otherwise each layer in its own call, as before it."""
+    from lookahead import fused_stack
+
+    saved = fused_stack.FusedStack.supports
+    if not enabled:
+        fused_stack.FusedStack.supports = staticmethod(lambda *args: False)
+    try:
+        yield
+    finally:
+        fused_stack.FusedStack.supports = saved
 
 
 def one_step(model, cache, prefix: int, k: int, vocab: int, timer) -> dict:

@@ -24,6 +24,7 @@ class SlabLayer(DynamicLayer):
         super().__init__()
         self._key_slab: torch.Tensor | None = None
         self._value_slab: torch.Tensor | None = None
+        self._views: tuple = (None, None)  # the keys and values views the last append set
 
     @classmethod
     def holding(cls, layer: DynamicLayer) -> "SlabLayer":
@@ -61,10 +62,17 @@ class SlabLayer(DynamicLayer):
             self._value_slab = _new_slab(self.values, value_like, cached, capacity)
         self.keys = self._key_slab[:, :, :needed]
         self.values = self._value_slab[:, :, :needed]
+        self._views = (self.keys, self.values)
 
     def _in_slab(self) -> bool:
-        """Whether `keys` and `values` are still views of the slabs' first slots (nothing replaced them)."""
-        return (self._key_slab is not None and self.get_seq_length() > 0
+        """Whether `keys` and `values` are still views of the slabs' first slots (nothing replaced them): at once
+        when they are the very views the last append made (no outside code changes a view's shape in place),
+        else by their storage and layout."""
+        if self._key_slab is None:
+            return False
+        if self.keys is self._views[0] and self.values is self._views[1]:
+            return True
+        return (self.get_seq_length() > 0
                 and _prefix_view(self.keys, self._key_slab) and _prefix_view(self.values, self._value_slab))
 
 

@@ -1,5 +1,6 @@
 """Compiled (numba) kernels of one Llama-style decoder layer step: norms, RoPE, the KV-cache append, attention,
-SiLU gating and residuals around the four streamed-kernel products, in one call per layer.
+SiLU gating and residuals around the four streamed-kernel products, in one call per layer (`decoder_layer`) or
+one call for all the layers of a step (`decoder_stack`).
 
 `decoder_layer` computes, for the rows of one step at batch size 1, what `lean_layers.LeanForward` computes with
 ~40 dispatched PyTorch operations per layer (each costing microseconds between weight streams that evict the
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.core import types
+from numba.extending import intrinsic
 
 from .attention_kernel import call_dots, call_weighted
 from .streamed_gemm import _launch
@@ -211,6 +214,34 @@ def decoder_layer(kernels, transpose, threads, dims, panels, floats, biases, nor
     attended = np.empty((rows, dims[0], dims[2]), np.float32)
     attend(queries, keys, values, start + rows, mask, floats[3], threads, attention, attended)
     layer_output(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, attended, out)
+
+
+@intrinsic
+def _floats_at(typingctx, address):
+    """The float32 pointer at an int64 address (for `numba.carray` views of memory numba was not handed)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.float32)))
+
+    return types.CPointer(types.float32)(types.int64), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def decoder_stack(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, slabs,
+                  capacities, start, mask, attention):  # pragma: no cover - compiled
+    """Every layer of a decoder stack, one after the other, for hidden [rows, size]; returns the last layer's output
+    [rows, size]. Layer l is `decoder_layer` with kernels[l], panels[l] (each [layers, 4]), floats[l] ([layers, 4]),
+    biases[l] ([layers, 4, max N]), norms[l] ([layers, 2, size]) and its cache's key and value slabs, contiguous
+    float32 [key heads, capacities[l], D] at the addresses slabs[l] ([layers, 2]; the caller keeps them alive);
+    dims, the RoPE tables, start, mask and attention are every layer's."""
+    for layer in range(panels.shape[0]):
+        shape = (dims[1], capacities[layer], dims[2])
+        keys = numba.carray(_floats_at(slabs[layer, 0]), shape)
+        values = numba.carray(_floats_at(slabs[layer, 1]), shape)
+        out = np.empty_like(hidden)
+        decoder_layer(kernels[layer], transpose, threads, dims, panels[layer], floats[layer], biases[layer],
+                      norms[layer], hidden, cos, folded_sin, keys, values, start, mask, attention, out)
+        hidden = out
+    return hidden
 
 
 @numba.njit(nogil=True, cache=True)

@@ -58,9 +58,9 @@ class FusedLayer:
         self.floats = np.array([float(eps[0]), float(eps[1]), size, attn.scaling], np.float32)
         self.scaling = attn.scaling  # SDPA's scale as the layer's own attention passes it
         self.shape = (query_heads, key_heads, head_dim, intermediate)
-        self._transpose = streamed_gemm._kernel_address("float32")[1]
-        self._attention = (np.array(attention_kernel.attention_addresses(head_dim), np.int64)
-                           if attention_kernel.supports(head_dim) else _NUMBA_ATTENTION)
+        self.transpose = streamed_gemm._kernel_address("float32")[1]
+        self.attention_loops = (np.array(attention_kernel.attention_addresses(head_dim), np.int64)
+                                if attention_kernel.supports(head_dim) else _NUMBA_ATTENTION)
         self._weights: tuple | None = None  # the StreamedWeights the arrays below were built from
         self._slab_views: tuple | None = None  # (key slab, value slab, their numpy views)
         self._arrays: tuple | None = None
@@ -84,7 +84,7 @@ class FusedLayer:
             return None
         if self.attn_config._attn_implementation not in _ATTENTIONS:
             return None
-        arrays = self._streamed_arrays(rows)
+        arrays = self.streamed_arrays(rows)
         if arrays is None:
             return None
         layer = past_key_values.layers[self.layer_idx]
@@ -92,11 +92,11 @@ class FusedLayer:
         keys, values = layer.reserve(rows)
         source = _rows(hidden_states)  # before `_new_output` replaces the previous layer's output
         out, out_rows = _new_output(hidden_states)
-        threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-        common = (arrays[3], self._transpose, threads, *arrays[:2], self.floats, arrays[2], self.norms, source)
+        common = (arrays[3], self.transpose, compiled_threads(), *arrays[:2], self.floats, arrays[2], self.norms,
+                  source)
         tables = (_plane(cos), _plane(folded_sin), *self._slabs(keys, values), start)
-        if rows == 1 or self._attention.shape[0] or rows * (start + rows) <= COMPILED_ATTENTION_MAX:
-            decoder_layer(*common, *tables, mask, self._attention, out_rows)
+        if self.attends_compiled(rows, start):
+            decoder_layer(*common, *tables, mask, self.attention_loops, out_rows)
             return out
         queries = torch.empty(rows, self.shape[0], self.shape[2])
         attention_inputs(*common, *tables, queries.numpy())
@@ -116,20 +116,15 @@ class FusedLayer:
     def _mask(self, attention_mask: torch.Tensor | None, rows: int, past_key_values) -> np.ndarray | None:
         """The mask as [rows, cached + rows] float32 (or the empty "none" mask for a lone row), or None when the
         call's mask or cache is not one the fused step handles."""
-        layers = getattr(past_key_values, "layers", None)
-        if layers is None or self.layer_idx >= len(layers):
-            return None
-        layer = layers[self.layer_idx]
-        if type(layer) is not SlabLayer or not layer.is_initialized or layer.keys.shape[0] != 1:
-            return None
-        if attention_mask is None:
-            return _NO_MASK if rows == 1 else None
-        length = layer.get_seq_length() + rows
-        if attention_mask.dtype != torch.float32 or tuple(attention_mask.shape) != (1, 1, rows, length):
-            return None
-        return _plane(attention_mask)
+        layer = slab_layer(past_key_values, self.layer_idx)
+        return None if layer is None else step_mask(attention_mask, rows, layer.get_seq_length())
 
-    def _streamed_arrays(self, rows: int) -> tuple | None:
+    def attends_compiled(self, rows: int, start: int) -> bool:
+        """Whether a step of `rows` rows over `start` cached slots attends inside the compiled call (always with
+        the compiled loops; with numba's, up to COMPILED_ATTENTION_MAX rows × slots)."""
+        return rows == 1 or self.attention_loops.shape[0] > 0 or rows * (start + rows) <= COMPILED_ATTENTION_MAX
+
+    def streamed_arrays(self, rows: int) -> tuple | None:
         """(dims, panel addresses, biases, kernel addresses) of the four products, or None unless all four compute
         `rows` rows on the streamed kernel with float32 or exact block-form panels."""
         if not all(p.default_rows < rows <= p.streamed_rows for p in self.packed):
@@ -156,6 +151,33 @@ class FusedLayer:
         return dims, panels, biases, kernels
 
 
+
+
+def compiled_threads() -> int:
+    """The threads a compiled step's products use: torch's thread count, within what numba may run."""
+    return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+
+
+def slab_layer(past_key_values, layer_idx: int) -> SlabLayer | None:
+    """Layer `layer_idx` of the cache when the fused step can write into it: a `SlabLayer` holding one sequence's
+    states (else None)."""
+    layers = getattr(past_key_values, "layers", None)
+    if layers is None or layer_idx >= len(layers):
+        return None
+    layer = layers[layer_idx]
+    if type(layer) is not SlabLayer or not layer.is_initialized or layer.keys.shape[0] != 1:
+        return None
+    return layer
+
+
+def step_mask(attention_mask: torch.Tensor | None, rows: int, cached: int) -> np.ndarray | None:
+    """A step's mask as [rows, cached + rows] float32 (the empty "none" mask for a lone row without one), or None
+    when it is not a mask the fused step handles (an additive float `[1, 1, rows, cached + rows]` mask)."""
+    if attention_mask is None:
+        return _NO_MASK if rows == 1 else None
+    if attention_mask.dtype != torch.float32 or tuple(attention_mask.shape) != (1, 1, rows, cached + rows):
+        return None
+    return _plane(attention_mask)
 
 
 # Every layer of a forward passes the same mask and RoPE tables, and each layer's input is the previous one's output:

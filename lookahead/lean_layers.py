@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from . import fused_stack
 from .fused_layer import FusedLayer
 from .packed_linear import FusedMember, PackedLinear, _linear
 
@@ -60,13 +61,28 @@ def lean_layers(model: nn.Module, enabled: bool = True, fused: bool = True) -> I
     rotary = FoldedRotary()  # one forward's cos and sin serve every layer
     for layer in layers:
         layer.forward = LeanForward(layer, rotary, fused)
+    stacks = [stack for stack in model.modules() if _install_stack(stack, rotary)] if fused else []
     setattr(model, _ON_ATTR, True)
     try:
         yield len(layers)
     finally:
+        for stack in stacks:
+            fused_stack.remove(stack)
         for layer in layers:
             del layer.forward
         setattr(model, _ON_ATTR, False)
+
+
+def _install_stack(module: nn.Module, rotary: "FoldedRotary") -> bool:
+    """Run `module`'s forward as one compiled call (`fused_stack`) if it holds decoder layers that all fuse."""
+    layers = getattr(module, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not layers:
+        return False
+    forwards = [layer.__dict__.get("forward") for layer in layers]
+    if not all(isinstance(f, LeanForward) for f in forwards):
+        return False
+    return fused_stack.install(module, [f.fused for f in forwards],
+                               [f.window_kwargs.get("sliding_window") for f in forwards], rotary)
 
 
 def _supported(layer: nn.Module) -> bool:

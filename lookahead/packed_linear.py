@@ -214,6 +214,13 @@ class _PackedWeights:
         return torch.cat([m.bias.detach() for m in self.linears])
 
 
+def weights_stamp(weights: list[_PackedWeights]) -> list[tuple[int, int]]:
+    """Identity and in-place version of every source parameter of all `weights`, in one list: while it and their
+    `panels` stay the same, `streamed()` returns the same panels (a check of many products at once)."""
+    return [(id(param), param._version) for w in weights for params in w._parameters
+            for param in params.values() if param is not None]
+
+
 def _stamp(parameters: list[dict]) -> list[tuple[int, int]]:
     """Identity and in-place version of every parameter in `parameters` (the `_parameters` dicts of the source
     linears: weight and bias). Checked on every product, so read straight from the dicts, ~10x cheaper than

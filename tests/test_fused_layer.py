@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_models import build_tiny_model, repetitive_prompt, three_steps
+from tiny_models import FUSED_ARCHITECTURES, fused_test_model, repetitive_prompt, three_steps
 
-from lookahead import Lookahead, LookaheadConfig, attention_kernel, fused_kernels, fused_layer, hf, streamed_gemm
+from lookahead import (Lookahead, LookaheadConfig, attention_kernel, fused_kernels, fused_layer, fused_stack, hf,
+                       streamed_gemm)
 from lookahead.attention import tree_attention
 from lookahead.lean_layers import lean_layers
 from lookahead.packed_linear import packed_linears
@@ -18,31 +19,24 @@ from lookahead.row_kernels import RowKernels, apply_row_kernels
 pytestmark = pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and streamed_gemm.available()),
                                 reason="needs oneDNN and the streamed kernel (a CPU with FMA)")
 
-ARCHITECTURES = {
-    "llama": {},
-    "qwen2": {},  # q/k/v with bias
-    "llama-odd-width": {"intermediate_size": 100},  # gate/up padded to whole panels
-    "llama-wide-heads": {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64},
-}
-
 
 def _model(name: str, **extra):
-    return build_tiny_model(name.split("-")[0], dtype=torch.float32, seed=5, layers=3,
-                            **{**ARCHITECTURES.get(name, {}), **extra})
+    return fused_test_model(name, 5, **extra)
 
 
 class _Calls:
     """Counts fused layer steps: calls of `decoder_layer`, or of `layer_output` (the end of a step attending with
-    SDPA)."""
+    SDPA), and the layers of each `decoder_stack` call (a step of every layer at once, `fused_stack`)."""
 
     def __init__(self, monkeypatch):
         self.count = 0
         for name in ("decoder_layer", "layer_output"):
             monkeypatch.setattr(fused_layer, name, self._counted(getattr(fused_layer, name)))
+        monkeypatch.setattr(fused_stack, "decoder_stack", self._counted(fused_stack.decoder_stack, stacked=True))
 
-    def _counted(self, real):
+    def _counted(self, real, stacked: bool = False):
         def counted(*args):
-            self.count += 1
+            self.count += args[4].shape[0] if stacked else 1  # panels [layers, 4]
             return real(*args)
 
         return counted
@@ -61,7 +55,7 @@ def _run(model, prompt, kernels: RowKernels, fused: bool):
 
 
 @pytest.mark.parametrize("attention", ["compiled", "numba", "sdpa"])
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@pytest.mark.parametrize("name", list(FUSED_ARCHITECTURES))
 def test_fused_steps_compute_the_lean_forward_to_rounding(name, attention, monkeypatch):
     if attention != "compiled":  # numba's attention loops (heads of any size)
         monkeypatch.setattr(attention_kernel, "supports", lambda head_dim: False)

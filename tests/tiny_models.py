@@ -49,6 +49,21 @@ def build_tiny_model(family: str = "llama", dtype: torch.dtype = torch.float64, 
     return model
 
 
+# Tiny fp32 Llama-style models whose layers the fused steps compute (`fused_layer.py`, `fused_stack.py`).
+FUSED_ARCHITECTURES = {
+    "llama": {},
+    "qwen2": {},  # q/k/v with bias
+    "llama-odd-width": {"intermediate_size": 100},  # gate/up padded to whole panels
+    "llama-wide-heads": {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64},
+}
+
+
+def fused_test_model(name: str, seed: int, **extra) -> torch.nn.Module:
+    """A 3-layer fp32 model of FUSED_ARCHITECTURES[name] (a family name alone: its defaults) with `extra` config."""
+    return build_tiny_model(name.split("-")[0], dtype=torch.float32, seed=seed, layers=3,
+                            **{**FUSED_ARCHITECTURES.get(name, {}), **extra})
+
+
 def repetitive_prompt(seed: int, vocab: int = 64, length: int = 24) -> torch.Tensor:
     """[1, L] random prompt whose second half repeats part of the first (so prompt lookup finds matches)."""
     generator = torch.Generator().manual_seed(seed)

@@ -1,0 +1,170 @@
+"""A step's whole decoder stack in one compiled call (`fused_stack.py`): bit for bit what the per-layer fused steps
+compute (logits and cache), the model's own forward for every call it does not compute, weights changed in place
+and regrown cache slabs followed, and the model's forward given back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import (FUSED_ARCHITECTURES, build_tiny_model, fused_test_model, repetitive_prompt,
+                         three_steps)
+
+from lookahead import (Lookahead, LookaheadConfig, attention_kernel, cache_layer, fused_layer, fused_stack, hf,
+                       streamed_gemm)
+from lookahead.attention import tree_attention
+from lookahead.lean_layers import lean_layers
+from lookahead.packed_linear import packed_linears
+from lookahead.row_kernels import RowKernels, apply_row_kernels
+
+pytestmark = pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and streamed_gemm.available()),
+                                reason="needs oneDNN and the streamed kernel (a CPU with FMA)")
+
+
+def _model(name: str, **extra):
+    return fused_test_model(name, 7, **extra)
+
+
+class _Counts:
+    """Calls of the stack's compiled call and of the per-layer fused step."""
+
+    def __init__(self, monkeypatch):
+        self.stack = self.layer = 0
+        monkeypatch.setattr(fused_stack, "decoder_stack", self._counted(fused_stack.decoder_stack, "stack"))
+        monkeypatch.setattr(fused_layer, "decoder_layer", self._counted(fused_layer.decoder_layer, "layer"))
+
+    def _counted(self, real, name: str):
+        def counted(*args):
+            setattr(self, name, getattr(self, name) + 1)
+            return real(*args)
+
+        return counted
+
+
+def _per_layer_only(monkeypatch):
+    """No stack is installed: every layer runs its own fused step."""
+    monkeypatch.setattr(fused_stack.FusedStack, "supports", staticmethod(lambda *args: False))
+
+
+def _flat(logits, cache):
+    return list(logits) + [state for layer in cache.layers for state in (layer.keys, layer.values)]
+
+
+def _three_steps(model, prompt, kernels=RowKernels(0, 8)):
+    with torch.no_grad(), packed_linears(model), tree_attention(model), lean_layers(model):
+        apply_row_kernels(model, kernels)
+        return _flat(*three_steps(model, prompt))
+
+
+def _assert_equal(first, second):
+    assert len(first) == len(second)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("attention", ["compiled", "numba"])
+@pytest.mark.parametrize("name", list(FUSED_ARCHITECTURES))
+def test_stack_steps_are_the_per_layer_fused_steps_bit_for_bit(name, attention, monkeypatch):
+    if attention == "numba":
+        monkeypatch.setattr(attention_kernel, "supports", lambda head_dim: False)
+    model, prompt = _model(name), repetitive_prompt(2, length=30)
+    counts = _Counts(monkeypatch)
+    stacked = _three_steps(model, prompt)
+    assert (counts.stack, counts.layer) == (2, 0)  # the one-row and the tree step, every layer in one call
+    with monkeypatch.context() as patch:
+        _per_layer_only(patch)
+        per_layer = _three_steps(model, prompt)
+    assert counts.layer == 2 * 3
+    _assert_equal(stacked, per_layer)
+
+
+def _hooked(model):
+    model.model.layers[1].register_forward_hook(lambda module, args, output: None)
+
+
+@pytest.mark.parametrize("case", ["hook-on-a-layer", "global-hook", "rows-beyond-the-streamed-kernel", "grads"])
+def test_calls_the_stack_does_not_compute_run_the_models_own_forward(case, monkeypatch):
+    model, prompt = _model("llama"), repetitive_prompt(3, length=30)
+    kernels = RowKernels(0, 4 if case == "rows-beyond-the-streamed-kernel" else 8)
+    if case == "hook-on-a-layer":
+        _hooked(model)
+    handle = (torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: None)
+              if case == "global-hook" else None)
+    try:
+        counts = _Counts(monkeypatch)
+        if case == "grads":
+            with torch.enable_grad(), packed_linears(model), tree_attention(model), lean_layers(model):
+                apply_row_kernels(model, kernels)
+                logits, _ = three_steps(model, prompt)
+            assert counts.stack == 0 and logits[-1].requires_grad
+            return
+        stacked = _three_steps(model, prompt, kernels)
+    finally:
+        if handle is not None:
+            handle.remove()
+    expected_stack = 1 if case == "rows-beyond-the-streamed-kernel" else 0  # there: the one-row step
+    assert counts.stack == expected_stack
+    with monkeypatch.context() as patch:
+        _per_layer_only(patch)
+        _assert_equal(stacked, _three_steps(model, prompt, kernels))
+
+
+def test_hidden_states_asked_for_come_from_the_models_own_forward(monkeypatch):
+    model, prompt = _model("llama"), repetitive_prompt(4, length=30)
+    counts = _Counts(monkeypatch)
+    with torch.no_grad(), packed_linears(model), tree_attention(model), lean_layers(model):
+        apply_row_kernels(model, RowKernels(0, 8))
+        from transformers import DynamicCache
+
+        from lookahead.cache import make_compactable
+
+        cache = DynamicCache()
+        model(prompt[:, :-1], past_key_values=cache, use_cache=True)
+        make_compactable(cache, model.config, 4096)
+        out = model(prompt[:, -1:], past_key_values=cache, use_cache=True, output_hidden_states=True)
+    assert counts.stack == 0 and counts.layer == 3  # each layer fused on its own, the hidden states recorded
+    assert len(out.hidden_states) == 4
+
+
+def test_weights_changed_in_place_and_a_new_cache_reach_the_stack(monkeypatch):
+    def steps(model, prompt):
+        with torch.no_grad(), packed_linears(model), tree_attention(model), lean_layers(model):
+            apply_row_kernels(model, RowKernels(0, 8))
+            first = _flat(*three_steps(model, prompt))
+            model.model.layers[2].mlp.down_proj.weight.mul_(0.5)  # in place, between two forwards
+            model.model.layers[0].self_attn.q_proj.weight.add_(0.01)
+            return first + _flat(*three_steps(model, prompt))
+
+    prompt = repetitive_prompt(5, length=30)
+    counts = _Counts(monkeypatch)
+    stacked = steps(_model("qwen2"), prompt)
+    assert counts.stack == 4
+    with monkeypatch.context() as patch:
+        _per_layer_only(patch)
+        per_layer = steps(_model("qwen2"), prompt)
+    _assert_equal(stacked, per_layer)
+
+
+def test_the_stack_forward_is_installed_only_within_the_block_and_only_fused():
+    model = _model("llama")
+    with torch.no_grad(), packed_linears(model), lean_layers(model):
+        assert isinstance(model.model.__dict__.get("forward"), fused_stack.FusedStack)
+    assert "forward" not in model.model.__dict__
+    with torch.no_grad(), packed_linears(model), lean_layers(model, fused=False):
+        assert "forward" not in model.model.__dict__
+    windowed = build_tiny_model("mistral", dtype=torch.float32, layers=2, sliding_window=8)
+    with torch.no_grad(), packed_linears(windowed), lean_layers(windowed):
+        assert "forward" not in windowed.model.__dict__  # layers with a sliding window are not fused
+
+
+@pytest.mark.parametrize("config", [LookaheadConfig(), LookaheadConfig.off()], ids=["speculate", "off"])
+def test_greedy_through_the_stack_with_slabs_regrown_is_plain_greedy(config, monkeypatch):
+    monkeypatch.setattr(cache_layer, "MIN_HEADROOM", 1)  # the slabs move to larger buffers again and again
+    monkeypatch.setattr(hf, "row_kernels_for", lambda model, refresh=False, quiet=False: RowKernels(0, 64))
+    model = _model("llama")
+    counts = _Counts(monkeypatch)
+    for seed in range(3):
+        prompt = repetitive_prompt(seed)
+        plain = model.generate(prompt, do_sample=False, max_new_tokens=60)
+        fast = model.generate(prompt, do_sample=False, max_new_tokens=60, custom_generate=Lookahead(config))
+        assert torch.equal(plain, fast)
+    assert counts.stack > 0 and counts.layer == 0
