@@ -165,7 +165,7 @@ def slab_layer(past_key_values, layer_idx: int) -> SlabLayer | None:
     if layers is None or layer_idx >= len(layers):
         return None
     layer = layers[layer_idx]
-    if type(layer) is not SlabLayer or not layer.is_initialized or layer.keys.shape[0] != 1:
+    if type(layer) is not SlabLayer or not layer.is_initialized or layer.batch_size != 1:
         return None
     return layer
 

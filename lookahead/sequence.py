@@ -111,8 +111,9 @@ class Sequence:
         if self.record is not None:
             self.record.record_walk(self.new_tokens, verdict, logits)
         path = np.asarray(verdict.path, dtype=np.int64)
-        others = np.setdiff1d(np.arange(tree.size), path, assume_unique=True)
-        self.drafters.recycle_rows(tree.tokens, logits, np.concatenate([others, path]))
+        others = np.ones(tree.size, dtype=bool)
+        others[path] = False
+        self.drafters.recycle_rows(tree.tokens, logits, np.concatenate([np.flatnonzero(others), path]))
         return verdict
 
     def commit(self, tokens: list[int], limit: int, cut_at_stop: bool) -> list[int]:

@@ -80,3 +80,32 @@ def test_holding_an_empty_layer_gives_an_empty_layer():
     assert not slab.is_initialized and slab.get_seq_length() == 0
     slab.update(*states(2))
     assert slab.get_seq_length() == 2
+
+
+def test_reserved_slots_reset_and_crops_keep_the_dynamic_layer_contract():
+    """`reserve` and a crop in the slab only move the slot count (the views are made when read); `reset` empties
+    the layer as `DynamicLayer.reset` does, and a later append starts afresh."""
+    slab, plain = SlabLayer(), DynamicLayer()
+    for layer in (slab, plain):
+        layer.update(*states(4))
+    keys_slab, values_slab = slab.reserve(3)  # the caller writes the 3 new slots itself
+    new = states(3, start=700)
+    keys_slab[:, :, 4:7].copy_(new[0])
+    values_slab[:, :, 4:7].copy_(new[1])
+    plain.update(*new)
+    assert_same(slab, plain)
+    assert slab.keys is slab.keys  # one view per slot count
+    for layer in (slab, plain):
+        layer.crop(-5)
+    assert_same(slab, plain)
+    assert slab.keys.data_ptr() == keys_slab.data_ptr()
+    try:
+        slab.crop(2)
+        raise AssertionError("a positive crop was accepted")
+    except ValueError:
+        pass
+    for layer in (slab, plain):
+        layer.reset()
+        assert layer.keys is None and layer.values is None and layer.get_seq_length() == 0
+        layer.update(*states(2, start=50))
+    assert_same(slab, plain)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from lookahead import recycle
 from lookahead.config import LookaheadConfig
 from lookahead.drafters import RECYCLE, RECYCLE_SOURCES, SOURCE_DRAFTER, Drafters
 from lookahead.gumbel import gumbel_of, index_key
@@ -66,6 +67,19 @@ def test_observe_stores_each_rows_top_k_from_logits():
     assert table.table[2].tolist() == [1, 3, 6] and table.table[4].tolist() == [0, 5, 7]
     drafter.observe(np.array([2, 2]), logits, order=np.array([1, 0]))  # row 0 last: it wins
     assert table.table[2].tolist() == [1, 3, 6]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_k_is_torch_topk_ties_to_the_lower_token(dtype):
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randint(-20, 20, (5, 300), generator=generator).to(dtype)  # many ties
+    logits[2] = 1.0  # a row of one value: the first k tokens
+    indices, values = recycle.top_k(logits, 8)
+    expected = torch.sort(logits, dim=-1, descending=True, stable=True)
+    assert np.array_equal(values, expected.values[:, :8].float().numpy())
+    if dtype == torch.float32:  # our pass: ties in token order (torch.topk does not promise one)
+        assert np.array_equal(indices, expected.indices[:, :8].numpy())
+        assert indices[2].tolist() == list(range(8))
 
 
 # Root 1's predictions are 2, 3, 4; 2's are 5, 6, 7; 5's are 8, 9, 10; the rest are unknown.
