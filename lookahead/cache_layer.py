@@ -53,6 +53,7 @@ class SlabLayer(DynamicLayer):
         self._set(1, tensor)
 
     def _slab(self, which: int) -> torch.Tensor | None:
+        """The key (0) or value (1) slab, if any."""
         return self._key_slab if which == 0 else self._value_slab
 
     def _get(self, which: int) -> torch.Tensor | None:

@@ -41,7 +41,8 @@ class LookaheadConfig:
     transformers' per-module overhead that computes bit-identical numbers (`lean_layers.py`).
     `fused_layers` (with `lean_layers`): a step whose products all run on the streamed kernel runs each such layer
     as one compiled call (`fused_layer.py`: the same products, its own norms, attention and SiLU, equal to the
-    lean forward's to ~1e-6 relative).
+    lean forward's to ~1e-6 relative), and a step in which every layer does so runs them all in one call
+    (`fused_stack.py`, bit-identical to the per-layer calls).
     `compact_weights` (with `packed_linear` and the streamed kernel): weights whose float32 values have an exact
     4-bit or 8-bit block form (models from GGUF files quantized as Q4_0 / Q4_1 / Q8_0, the default model among
     them) stream from it, checked bit for bit (`affine_weights.py`): the same products, bit for bit, from a fifth

@@ -98,7 +98,8 @@ class FusedStack:
         grads or training, no hooks on the layers, no recorded outputs, an attention the fused step computes."""
         config = self.stack.config
         return (not torch.is_grad_enabled() and not self.stack.training
-                and all(not kwargs.get(flag, getattr(config, flag, False)) for flag in _OUTPUT_FLAGS)
+                and not any(getattr(config, flag, False) if kwargs.get(flag) is None else kwargs[flag]
+                            for flag in _OUTPUT_FLAGS)
                 and all(value is None for name, value in kwargs.items() if name not in _OUTPUT_FLAGS)
                 and config._attn_implementation in _ATTENTIONS
                 and not any(layer.training or layer._forward_hooks or layer._forward_pre_hooks
