@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numba
 import numpy as np
 
 from .cost_curve import CostCurve, ObservedCost
@@ -79,19 +80,26 @@ def path_values(tree, rates: np.ndarray) -> np.ndarray:
     is worth its parent's value times its own rate; the rates of one node's children are scaled down to sum to
     at most SIBLING_CAP, as at most one of them can be accepted. Values never grow along a path.
     """
-    n = tree.size
-    values = np.ones(n)
-    if n == 1:
-        return values
-    depth = np.minimum(tree.depth[1:], rates.shape[1]) - 1
-    cond = rates[tree.source[1:], depth]  # [N-1]
-    parents = tree.parents[1:]
-    sums = np.bincount(parents, weights=cond, minlength=n)  # [N] per parent
-    cond = cond * np.minimum(1.0, SIBLING_CAP / np.maximum(sums, 1e-12))[parents]
-    for level in range(1, int(tree.depth.max()) + 1):  # parents precede children: fill one depth at a time
-        nodes = np.flatnonzero(tree.depth[1:] == level)
-        values[nodes + 1] = values[parents[nodes]] * cond[nodes]
+    values = np.ones(tree.size)
+    if tree.size > 1:
+        _path_values(tree.parents, tree.depth, tree.source, np.ascontiguousarray(rates, dtype=np.float64),
+                     SIBLING_CAP, values)
     return values
+
+
+@numba.njit(cache=True, nogil=True)
+def _path_values(parents, depth, source, rates, cap, values):  # pragma: no cover - compiled
+    """`path_values` into values [N] (values[0] = 1 on entry): nodes in creation order, so a parent precedes its
+    children; each child's rate is scaled by min(1, cap / its siblings' rate sum) before it multiplies the
+    parent's value (the siblings summed in node order)."""
+    n, columns = parents.shape[0], rates.shape[1]
+    cond, sums = np.empty(n), np.zeros(n)
+    for node in range(1, n):
+        cond[node] = rates[source[node], min(depth[node], columns) - 1]
+        sums[parents[node]] += cond[node]
+    for node in range(1, n):
+        parent = parents[node]
+        values[node] = values[parent] * (cond[node] * min(1.0, cap / max(sums[parent], 1e-12)))
 
 
 def best_first(scores: np.ndarray) -> np.ndarray:

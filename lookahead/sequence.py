@@ -18,6 +18,7 @@ from .row_processors import run_row_warpers, scores_rows_alone
 from .rules import SeededRule, make_rule
 from .scores import ScoreRecord
 from .stats import AcceptedDrafts
+from .stop_checks import StopCheck
 from .tree import DraftTree
 from .verify import Verdict
 
@@ -54,6 +55,7 @@ class Sequence:
         self._candidates: DraftTree | None = None
         self._noise: SeededDraftNoise | None = None  # seeded sampling with recycling: set once the vocabulary is known
         self._row_alone = scores_rows_alone(request.logits_processor)  # processors may run on this row alone
+        self._stops = StopCheck(request.stopping_criteria, self._list_fires)
 
     def _model_drafter(self) -> ModelDrafter | None:
         """The draft model's drafter (None without a draft model); it skips the prompt's left padding."""
@@ -159,7 +161,11 @@ class Sequence:
 
     def _criteria_fire(self) -> bool:
         """Whether HF's stopping criteria fire on the committed text."""
-        return bool(self.request.stopping_criteria(self._batch_view(self.ids[: self.length]), None)[self.index])
+        return self._stops(self.ids[: self.length])
+
+    def _list_fires(self, text: np.ndarray) -> bool:
+        """Whether the stopping criteria list, called as `generate` calls it, fires on `text` [n] for this sequence."""
+        return bool(self.request.stopping_criteria(self._batch_view(text), None)[self.index])
 
     def _node_scorer(self):
         """The per-node scorer for the rule's walk (None when raw logits are final)."""
