@@ -144,7 +144,7 @@ def onednn_row_kernels(model):
 def linear_variant(model, variant: str, packed_sets: dict, kernels=None):
     """The model's linear layers and attention as `variant` within the block; the prepacked variants compute each
     row count's products on the kernel `kernels` (a `RowKernels`; None: all on oneDNN) names."""
-    from lookahead import packed_linear
+    from lookahead import attention_kernel, fused_stack, packed_linear
     from lookahead.attention import tree_attention
     from lookahead.lean_layers import lean_layers
     from lookahead.row_kernels import RowKernels, apply_row_kernels
@@ -163,7 +163,8 @@ def linear_variant(model, variant: str, packed_sets: dict, kernels=None):
     attention = "sdpa" if variant == "packed-sdpa" else "auto"
     try:
         with (packed_linear.packed_linears(model, compact=variant != "lean-float32"), tree_attention(model, attention),
-              _attention_loops(compiled=variant != "lean-numba-attention"), _stack(variant != "lean-layer-calls"),
+              _refused(attention_kernel, variant == "lean-numba-attention"),
+              _refused(fused_stack.FusedStack, variant == "lean-layer-calls"),
               lean_layers(model, variant in LEAN, fused=variant != "lean-unfused")):
             apply_row_kernels(model, kernels or RowKernels())
             yield
@@ -173,33 +174,17 @@ def linear_variant(model, variant: str, packed_sets: dict, kernels=None):
 
 
 @contextlib.contextmanager
-def _attention_loops(compiled: bool):
-    """Within the block, the fused layers built take the compiled attention loops (`attention_kernel`) only if
-    `compiled`; otherwise numba's, as before them."""
-    from lookahead import attention_kernel
-
-    saved = attention_kernel.supports
-    if not compiled:
-        attention_kernel.supports = lambda head_dim: False
+def _refused(owner, refuse: bool):
+    """Within the block, `owner.supports` (a module's function or a class's static method) says no to everything if
+    `refuse`, so what it gates is built as before it: numba's attention loops (`attention_kernel`), one compiled call
+    per layer instead of one for the stack (`fused_stack.FusedStack`)."""
+    saved = vars(owner)["supports"]  # as stored: a class keeps its staticmethod wrapper
+    if refuse:
+        setattr(owner, "supports", staticmethod(lambda *args: False))
     try:
         yield
     finally:
-        attention_kernel.supports = saved
-
-
-@contextlib.contextmanager
-def _stack(enabled: bool):
-    """Within the block, lean layers installed run a step's whole stack in one compiled call (`fused_stack`) only if
-    `enabled`; otherwise each layer in its own call, as before it."""
-    from lookahead import fused_stack
-
-    saved = fused_stack.FusedStack.supports
-    if not enabled:
-        fused_stack.FusedStack.supports = staticmethod(lambda *args: False)
-    try:
-        yield
-    finally:
-        fused_stack.FusedStack.supports = saved
+        setattr(owner, "supports", saved)
 
 
 def one_step(model, cache, prefix: int, k: int, vocab: int, timer) -> dict:

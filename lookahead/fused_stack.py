@@ -76,7 +76,7 @@ class FusedStack:
             return None
         start = caches[0].get_seq_length()
         if position_ids is None:  # as the model's own forward counts them
-            position_ids = (torch.arange(rows, device=input_ids.device) + past_key_values.get_seq_length())[None]
+            position_ids = torch.arange(start, start + rows, device=input_ids.device)[None]
         mask = step_mask(attention_mask, rows, start)
         arrays = self._arrays(rows)
         if (mask is None or arrays is None or any(cache.get_seq_length() != start for cache in caches)

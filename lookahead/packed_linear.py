@@ -217,8 +217,7 @@ class _PackedWeights:
 def weights_stamp(weights: list[_PackedWeights]) -> list[tuple[int, int]]:
     """Identity and in-place version of every source parameter of all `weights`, in one list: while it and their
     `panels` stay the same, `streamed()` returns the same panels (a check of many products at once)."""
-    return [(id(param), param._version) for w in weights for params in w._parameters
-            for param in params.values() if param is not None]
+    return _stamp([params for w in weights for params in w._parameters])
 
 
 def _stamp(parameters: list[dict]) -> list[tuple[int, int]]:
