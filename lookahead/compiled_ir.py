@@ -65,6 +65,7 @@ def _target_machine():
 
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
+    llvm.initialize_native_asmparser()  # inline assembly (`affine_tiles`)
     return llvm.Target.from_default_triple().create_target_machine(
         cpu=llvm.get_host_cpu_name(), features=host_features(), opt=3)
 

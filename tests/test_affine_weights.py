@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_models import build_tiny_model, repetitive_prompt, three_steps
 
-from lookahead import Lookahead, LookaheadConfig, affine_weights, hf, streamed_gemm
+from lookahead import Lookahead, LookaheadConfig, affine_tiles, affine_weights, hf, streamed_gemm
 from lookahead.affine_weights import affine_form
 from lookahead.attention import tree_attention
 from lookahead.lean_layers import lean_layers
@@ -240,3 +240,40 @@ def test_compact_weights_is_a_checked_option():
     assert LookaheadConfig().compact_weights is True
     with pytest.raises(ValueError, match="compact_weights must be a bool"):
         LookaheadConfig(compact_weights="yes")
+
+
+@needs_kernel
+@pytest.mark.skipif(streamed_gemm.vector_width() != affine_tiles.WIDTH, reason="tiles are written for AVX2 only")
+@pytest.mark.parametrize("columns", [7 * 8, 11 * 8 - 5, 8])
+def test_tiles_leave_every_sum_bit_identical_to_the_float32_panels(columns):
+    """Every tiled row count on panel counts that leave panels over after the tiles (also per thread), one thread
+    and two, K of one and of three records."""
+    generator = torch.Generator().manual_seed(columns)
+    for k in (32, 96):
+        weight = q4_1(torch.randn(columns, k, generator=generator))
+        compact, plain = affine_weights.pack_stacked([weight]), streamed_gemm.pack(weight)
+        assert compact.kind == "affine4"
+        for threads in (1, 2):
+            with _threads(threads):
+                for rows in sorted(affine_tiles.TILE_PANELS):
+                    x = torch.randn(rows, k, generator=generator)
+                    assert torch.equal(streamed_gemm.product(x, compact), streamed_gemm.product(x, plain)), rows
+
+
+def test_a_tile_must_fit_the_vector_registers():
+    assert affine_tiles.tile_assembly(3, 3)[0].count("vfmadd231ps") == 3 * 3 * 32
+    with pytest.raises(ValueError, match="does not fit"):
+        affine_tiles.tile_assembly(5, 3)
+
+
+class _threads:
+    """Within the block, torch uses `count` threads."""
+
+    def __init__(self, count: int):
+        self.count, self.before = count, torch.get_num_threads()
+
+    def __enter__(self):
+        torch.set_num_threads(self.count)
+
+    def __exit__(self, *_):
+        torch.set_num_threads(self.before)
