@@ -151,14 +151,20 @@ def _step(form: str, tag: str, i: int, rows: int, together: int, width: int) -> 
 
 def _stores(tag: str, rows: int, together: int, width: int) -> list[str]:
     """Store every panel's row sums into y [rows, N] at the panel's columns."""
+    return store_sums(tag, rows, together, width, lambda c: f"%{tag}{c}b", lambda c, m: f"%{tag}a{c}_{m}_8")
+
+
+def store_sums(tag: str, rows: int, together: int, width: int, panel, total) -> list[str]:
+    """IR storing `together` panels' row sums into y [rows, N] at each panel's columns: `panel(c)` names the
+    index of panel c, `total(c, m)` its sum vector of row m (values named after `tag`)."""
     out = []
     for c in range(together):
-        out.append(f"  %{tag}col{c} = mul i64 %{tag}{c}b, {width}")
+        out.append(f"  %{tag}col{c} = mul i64 {panel(c)}, {width}")
         for m in range(rows):
             y = f"%{tag}y{c}_{m}"
             out += [f"  {y}r = mul i64 %N, {m}\n  {y}i = add i64 {y}r, %{tag}col{c}",
                     f"  {y}p = getelementptr float, ptr %y, i64 {y}i",
-                    f"  store <{width} x float> %{tag}a{c}_{m}_8, ptr {y}p, align 4"]
+                    f"  store <{width} x float> {total(c, m)}, ptr {y}p, align 4"]
     return out
 
 
