@@ -34,8 +34,9 @@ KERNEL_MARGIN = 0.95  # a kernel is taken where it needs at most this share of t
 MEASURE_BUDGET = 3.0  # seconds the timed rounds may take (at least 2 rounds)
 # Part of the cache key: choices measured by an earlier rule are measured again (2: the streamed kernel is weighed
 # against the default matmul, no longer against oneDNN; 3: the streamed kernel computes any row count in one pass
-# over the weights, probed up to 64 rows; 4: the streamed kernel may stream weights in their exact block form).
-CHOICE_VERSION = 4
+# over the weights, probed up to 64 rows; 4: the streamed kernel may stream weights in their exact block form;
+# 5: several panels at once for few rows, AVX2 register tiles for 4-bit blocks).
+CHOICE_VERSION = 5
 
 
 @dataclass(frozen=True)
