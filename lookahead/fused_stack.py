@@ -8,7 +8,9 @@ and the numpy views (~60 µs a layer). `FusedStack` is installed as the forward 
 call, it checks them all at once, embeds the tokens and computes RoPE's tables with the model's own modules,
 reserves each layer's cache slots, runs every layer in one `fused_kernels.decoder_stack` call (each layer exactly
 the `decoder_layer` call the per-layer path makes, so the logits are bit-identical to it) and applies the model's
-own final norm. Any other call (a prefill, grads, hooks on the layers, hidden states or attentions asked for, a
+final norm — as `lean_layers.LeanNorm` where that computes the norm's own output bit for bit and the norm has no
+hooks (a third of the dispatched operations: ~0.4 ms less per step in situ, 288 one-row steps 3.85 → 3.74 s),
+else the norm module itself. Any other call (a prefill, grads, hooks on the layers, hidden states or attentions asked for, a
 row count or cache the fused step does not handle) runs the model's own forward, whose layers then run their lean
 or fused forward one by one.
 """
@@ -31,8 +33,8 @@ _OUTPUT_FLAGS = ("output_hidden_states", "output_attentions")  # outputs only th
 class FusedStack:
     """The forward of a decoder stack whose every layer has a fused step (see the module docstring)."""
 
-    def __init__(self, stack: nn.Module, fused: list[FusedLayer], rotary):
-        self.stack, self.fused, self.rotary = stack, fused, rotary
+    def __init__(self, stack: nn.Module, fused: list[FusedLayer], rotary, final_norm=None):
+        self.stack, self.fused, self.rotary, self.final_norm = stack, fused, rotary, final_norm
         self.own_forward = type(stack).forward.__get__(stack)
         self.layers = list(stack.layers)
         self.packed = [p for layer in fused for p in layer.packed]
@@ -90,8 +92,15 @@ class FusedStack:
         out = decoder_stack(arrays[3], self.fused[0].transpose, compiled_threads(), arrays[0], arrays[1], self.floats,
                             arrays[2], self.norms, hidden[0].contiguous().numpy(), _plane(cos), _plane(folded_sin),
                             slabs, capacities, start, mask, self.fused[0].attention_loops)  # [T, size]
-        return BaseModelOutputWithPast(last_hidden_state=self.stack.norm(torch.from_numpy(out).unsqueeze(0)),
+        return BaseModelOutputWithPast(last_hidden_state=self._norm(torch.from_numpy(out).unsqueeze(0)),
                                        past_key_values=past_key_values)
+
+    def _norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's final norm of `hidden`: `final_norm` unless the norm module has hooks to run."""
+        norm = self.stack.norm
+        if self.final_norm is None or norm._forward_hooks or norm._forward_pre_hooks:
+            return norm(hidden)
+        return self.final_norm(hidden)
 
     def _plain_call(self, kwargs: dict) -> bool:
         """Whether nothing beyond the stack's output is asked for and every layer would run its fused step: no
@@ -146,12 +155,13 @@ class FusedStack:
         return self._slabs[1], self._slabs[2]
 
 
-def install(stack: nn.Module, fused: list[FusedLayer | None], windows: list[int | None], rotary) -> bool:
+def install(stack: nn.Module, fused: list[FusedLayer | None], windows: list[int | None], rotary,
+            final_norm=None) -> bool:
     """Make `stack`'s forward a `FusedStack` when `FusedStack.supports` it; returns whether it did (`remove` undoes
-    it)."""
+    it). `final_norm`: a callable computing `stack.norm`'s output bit for bit, used when the norm has no hooks."""
     if not FusedStack.supports(stack, fused, windows):
         return False
-    stack.forward = FusedStack(stack, fused, rotary)
+    stack.forward = FusedStack(stack, fused, rotary, final_norm)
     return True
 
 

@@ -82,7 +82,16 @@ def _install_stack(module: nn.Module, rotary: "FoldedRotary") -> bool:
     if not all(isinstance(f, LeanForward) for f in forwards):
         return False
     return fused_stack.install(module, [f.fused for f in forwards],
-                               [f.window_kwargs.get("sliding_window") for f in forwards], rotary)
+                               [f.window_kwargs.get("sliding_window") for f in forwards], rotary,
+                               _lean_norm(getattr(module, "norm", None)))
+
+
+def _lean_norm(norm) -> "LeanNorm | None":
+    """A `LeanNorm` of `norm` where it computes `norm`'s own output bit for bit (an RMS norm with its class's own
+    forward), else None."""
+    if not isinstance(norm, nn.Module) or "forward" in norm.__dict__ or not type(norm).__name__.endswith("RMSNorm"):
+        return None
+    return LeanNorm(norm) if _computes_like(norm) else None
 
 
 def _supported(layer: nn.Module) -> bool:

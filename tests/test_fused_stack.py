@@ -108,6 +108,25 @@ def test_calls_the_stack_does_not_compute_run_the_models_own_forward(case, monke
         _assert_equal(stacked, _three_steps(model, prompt, kernels))
 
 
+def test_the_final_norm_is_lean_and_its_hooks_still_run(monkeypatch):
+    """The stack applies the final norm as `LeanNorm` (same bits: the steps equal the per-layer path, which runs the
+    norm module); a hook on the norm module makes it call the module, so the hook sees every step."""
+    model, prompt = _model("llama"), repetitive_prompt(5, length=30)
+    with packed_linears(model), tree_attention(model), lean_layers(model):
+        assert model.model.forward.final_norm is not None
+    seen = []
+    handle = model.model.norm.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[1]))
+    try:
+        counts = _Counts(monkeypatch)
+        hooked = _three_steps(model, prompt)
+    finally:
+        handle.remove()
+    assert counts.stack == 2 and seen == [prompt.shape[1] - 1, 1, 6]  # the prefill, the one-row and the tree step
+    with monkeypatch.context() as patch:
+        _per_layer_only(patch)
+        _assert_equal(hooked, _three_steps(model, prompt))
+
+
 def test_hidden_states_asked_for_come_from_the_models_own_forward(monkeypatch):
     model, prompt = _model("llama"), repetitive_prompt(4, length=30)
     counts = _Counts(monkeypatch)
