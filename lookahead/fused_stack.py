@@ -1,19 +1,18 @@
 """A step's whole decoder stack in one compiled call: the fused layers without 30 trips through Python.
 
-With every layer fused (`fused_layer.py`), a one-row step of the default model still spent ~3.4 ms of its ~15 ms
-in the decoder stack's Python (AVX2, 2 cores, measured with the compiled calls stubbed out): transformers' model
-forward and 30 module calls, and per layer the eligibility checks, four weight-version checks, the cache slots
-and the numpy views (~60 µs a layer). `FusedStack` is installed as the forward of the module holding the layers
+With every layer fused (`fused_layer.py`), a one-row step of the default model still spent ~3.4 ms of its ~15 ms in
+the decoder stack's Python (AVX2, 2 cores, measured with the compiled calls stubbed out): transformers' model
+forward and 30 module calls, and per layer the eligibility checks, four weight-version checks, the cache slots and
+the numpy views (~60 µs a layer). `FusedStack` is installed as the forward of the module holding the layers
 (`LlamaModel`, `Qwen2Model`, `MistralModel`) while `lean_layers` is on. When every layer's fused step computes a
 call, it checks them all at once, embeds the tokens and computes RoPE's tables with the model's own modules,
 reserves each layer's cache slots, runs every layer in one `fused_kernels.decoder_stack` call (each layer exactly
 the `decoder_layer` call the per-layer path makes, so the logits are bit-identical to it) and applies the model's
 final norm — as `lean_layers.LeanNorm` where that computes the norm's own output bit for bit and the norm has no
-hooks (a third of the dispatched operations: ~0.4 ms less per step in situ, 288 one-row steps 3.85 → 3.74 s),
-else the norm module itself. Any other call (a prefill, grads, hooks on the layers, hidden states or attentions asked for, a
-row count or cache the fused step does not handle) runs the model's own forward, whose layers then run their lean
-or fused forward one by one.
-"""
+hooks (a third of the dispatched operations: ~0.4 ms less per step in situ, 288 one-row steps 3.85 → 3.74 s), else
+the norm module itself. Any other call (a prefill, grads, hooks on the layers, hidden states or attentions asked
+for, a row count or cache the fused step does not handle) runs the model's own forward, whose layers then run their
+lean or fused forward one by one."""
 
 from __future__ import annotations
 
