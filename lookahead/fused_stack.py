@@ -5,14 +5,14 @@ the decoder stack's Python (AVX2, 2 cores, measured with the compiled calls stub
 forward and 30 module calls, and per layer the eligibility checks, four weight-version checks, the cache slots and
 the numpy views (~60 µs a layer). `FusedStack` is installed as the forward of the module holding the layers
 (`LlamaModel`, `Qwen2Model`, `MistralModel`) while `lean_layers` is on. When every layer's fused step computes a
-call, it checks them all at once, embeds the tokens and computes RoPE's tables with the model's own modules,
-reserves each layer's cache slots, runs every layer in one `fused_kernels.decoder_stack` call (each layer exactly
-the `decoder_layer` call the per-layer path makes, so the logits are bit-identical to it) and applies the model's
-final norm — as `lean_layers.LeanNorm` where that computes the norm's own output bit for bit and the norm has no
-hooks (a third of the dispatched operations: ~0.4 ms less per step in situ, 288 one-row steps 3.85 → 3.74 s), else
-the norm module itself. Any other call (a prefill, grads, hooks on the layers, hidden states or attentions asked
-for, a row count or cache the fused step does not handle) runs the model's own forward, whose layers then run their
-lean or fused forward one by one."""
+call, it checks them all at once, embeds the tokens and reads RoPE's factors with the model's own modules (from a
+table where that gives the same bits, `rope_table`), reserves each layer's cache slots, runs every layer in one
+`fused_kernels.decoder_stack` call (each layer exactly the `decoder_layer` call the per-layer path makes, so the
+logits are bit-identical to it) and applies the model's final norm — as `lean_layers.LeanNorm` where that computes
+the norm's own output bit for bit and the norm has no hooks (a third of the dispatched operations: ~0.4 ms less per
+step in situ, 288 one-row steps 3.85 → 3.74 s), else the norm module itself. Any other call (a prefill, grads, hooks
+on the layers, hidden states or attentions asked for, a row count or cache the fused step does not handle) runs the
+model's own forward, whose layers then run their lean or fused forward one by one."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from .fused_kernels import decoder_stack
 from .fused_layer import _ATTENTIONS, FusedLayer, _plane, compiled_threads, slab_layer, step_mask
 from .packed_linear import weights_stamp
+from .rope_table import RopeTable
 
 STACK_CLASSES = frozenset({"LlamaModel", "Qwen2Model", "MistralModel"})  # forwards of the form run here
 _OUTPUT_FLAGS = ("output_hidden_states", "output_attentions")  # outputs only the model's own forward records
@@ -34,6 +35,7 @@ class FusedStack:
 
     def __init__(self, stack: nn.Module, fused: list[FusedLayer], rotary, final_norm=None):
         self.stack, self.fused, self.rotary, self.final_norm = stack, fused, rotary, final_norm
+        self.rope = RopeTable(stack.rotary_emb)
         self.own_forward = type(stack).forward.__get__(stack)
         self.layers = list(stack.layers)
         self.packed = [p for layer in fused for p in layer.packed]
@@ -86,13 +88,22 @@ class FusedStack:
         hidden = self.stack.embed_tokens(input_ids)  # [1, T, size]
         if hidden.dtype != torch.float32 or hidden.requires_grad:
             return None
-        cos, folded_sin = self.rotary(self.stack.rotary_emb(hidden, position_ids=position_ids))
+        cos, folded_sin = self._rope(hidden, position_ids)
         slabs, capacities = self._slab_addresses([cache.reserve(rows) for cache in caches])
         out = decoder_stack(arrays[3], self.fused[0].transpose, compiled_threads(), arrays[0], arrays[1], self.floats,
-                            arrays[2], self.norms, hidden[0].contiguous().numpy(), _plane(cos), _plane(folded_sin),
+                            arrays[2], self.norms, hidden[0].contiguous().numpy(), cos, folded_sin,
                             slabs, capacities, start, mask, self.fused[0].attention_loops)  # [T, size]
         return BaseModelOutputWithPast(last_hidden_state=self._norm(torch.from_numpy(out).unsqueeze(0)),
                                        past_key_values=past_key_values)
+
+    def _rope(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(cos, folded sin) `[T, D]` for the step: from the RoPE table where the model's rotary module has one
+        (`rope_table`), else from the module, as the layers' own forward gets them."""
+        tables = self.rope.factors(position_ids)
+        if tables is not None:
+            return tables
+        cos, folded_sin = self.rotary(self.stack.rotary_emb(hidden, position_ids=position_ids))
+        return _plane(cos), _plane(folded_sin)
 
     def _norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's final norm of `hidden`: `final_norm` unless the norm module has hooks to run."""
