@@ -11,14 +11,15 @@ distance ahead.
 Every column's sum is exactly `affine_kernel`'s: per step k = 0 … K-1 in order, the weight rebuilt as fma(q, d, m)
 (`vfmadd213ps`: d·q + m, rounded once), then fma(x[m, k], w, acc) per row (`vfmadd231ps`) — the same bits for any
 tile, row count or thread split (checked against the float32 panels by the tests). Tiles only change which panels
-share a pass: more panels give each row more independent chains of multiply-adds, which a row count of 1–6 needs
+share a pass: more panels give each row more independent chains of multiply-adds, which a row count of 3–6 needs
 to keep the multiply-add units busy, and let one broadcast of a row's input feed several panels.
 
-Which row counts use a tile, and how many panels it holds, was measured on the default model's products (AVX2,
-AMD EPYC, 2 threads, ms for all 210 products, IR kernel → tile; noisy machine, two runs): 1 row 5.1 → 4.8 (3
-panels), 3 rows 9.2 → 7.1–8.6 (3), 4 rows 9.3 → 7.9–9.3 (2), 5 rows 12.1 → 10.0 (2), 6 rows 11.2 → 10.6 (2),
-10 rows 23.7 → 21.6, 12 rows 23.3 → 19.2 (1); 2, 7 and 8 rows were as fast or faster on the IR kernel, which keeps
-them.
+Which row counts use a tile, and how many panels it holds, was measured on the default model's 210 layer products
+(AVX2, AMD EPYC, 2 threads, ms for all of them, LLVM kernel → tile, medians, interleaved in one process, two runs):
+3 rows 9.84 → 8.51 and 9.03 → 7.18 (3 panels), 4 rows 10.50 → 9.48 and 9.29 → 7.93 (2), 5 rows 11.83 → 10.48 and
+10.78 → 11.27 (2; 12.1 → 10.0 in an earlier run), 6 rows 13.27 → 13.22 and 10.96 → 10.42 (2), 10 rows 23.64 → 22.10
+and 20.11 → 16.95, 12 rows 28.55 → 26.69 and 24.74 → 19.44 (1). One row (5.77 → 5.80, 5.26 → 5.38 with 3 panels),
+2, 7 and 8 rows were as fast or faster on the LLVM kernel, which keeps them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS, _splat
 
 WIDTH = 8  # floats per AVX2 vector register: the only width tiles are written for
 VECTOR_REGISTERS = 16
-TILE_PANELS = {1: 3, 3: 3, 4: 2, 5: 2, 6: 2, 9: 1, 10: 1, 11: 1, 12: 1}  # row count → panels per tile (measured)
+TILE_PANELS = {3: 3, 4: 2, 5: 2, 6: 2, 9: 1, 10: 1, 11: 1, 12: 1}  # row count → panels per tile (measured)
 PREFETCH_BYTES = 8192  # how far ahead of the record being computed its panel is prefetched
 _RECORD_BYTES = 4 * WIDTH * RECORD_FLOATS["affine4"]
 _PANEL_REGISTERS = ("%r8", "%r9", "%r10", "%r11")  # one record pointer per panel of a tile
