@@ -25,6 +25,7 @@ and 20.11 → 16.95, 12 rows 28.55 → 26.69 and 24.74 → 19.44 (1). One row (5
 from __future__ import annotations
 
 from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS, _splat
+from .compiled_ir import host_features
 
 WIDTH = 8  # floats per AVX2 vector register: the only width tiles are written for
 VECTOR_REGISTERS = 16
@@ -38,8 +39,9 @@ _PARAMETERS = ("panel", "panel_bytes", "x", "x_step", "records", "mask", "y", "y
 
 
 def tiled(rows: int, width: int, form: str) -> bool:
-    """Whether products of `rows` rows on `form` panels of `width` floats run as tiles here (`TILE_PANELS`)."""
-    return form == "affine4" and width == WIDTH and rows in TILE_PANELS
+    """Whether products of `rows` rows on `form` panels of `width` floats run as tiles here (`TILE_PANELS`; the
+    assembly's integer vector instructions need AVX2, which a CPU with FMA may lack)."""
+    return form == "affine4" and width == WIDTH and rows in TILE_PANELS and "+avx2" in host_features().split(",")
 
 
 def tile_kernel_ir(rows: int, name: str) -> str:

@@ -10,8 +10,8 @@ doubling as needed) and a step gathers its rows.
 
 Nothing is assumed: a table is kept only when the module, asked again for a few positions on their own and in a
 short run, gives the table's rows bit for bit; the frequencies' identity and version are checked every step (a
-changed buffer makes a new table). Any other rotary module (dynamic, YaRN, long-RoPE types, a replaced forward)
-is left to compute every step.
+changed buffer makes a new table). Any other rotary module (dynamic, YaRN, long-RoPE types, a replaced forward),
+or one with hooks, is left to compute every step.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class RopeTable:
     def factors(self, position_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
         """(cos, folded sin), each float32 `[T, D]` contiguous, for `position_ids` `[1, T]`; None when this rotary
         module has no table (or the module's output for these positions would not be the table's)."""
-        if not self.usable:
+        if not self.usable or self.rotary._forward_hooks or self.rotary._forward_pre_hooks:
             return None
         positions = position_ids[0].numpy()
         if not len(positions) or positions.min() < 0:

@@ -277,3 +277,12 @@ class _threads:
 
     def __exit__(self, *_):
         torch.set_num_threads(self.before)
+
+
+def test_tiles_are_used_only_where_the_cpu_has_avx2(monkeypatch):
+    monkeypatch.setattr(affine_tiles, "host_features", lambda: "+avx,+fma,-avx2")
+    assert not affine_tiles.tiled(4, affine_tiles.WIDTH, "affine4")
+    monkeypatch.setattr(affine_tiles, "host_features", lambda: "+avx,+avx2,+fma")
+    assert affine_tiles.tiled(4, affine_tiles.WIDTH, "affine4") and not affine_tiles.tiled(4, 16, "affine4")
+    assert not affine_tiles.tiled(4, affine_tiles.WIDTH, "scaled8")
+    assert not affine_tiles.tiled(2, affine_tiles.WIDTH, "affine4")  # two rows stay on the LLVM kernel

@@ -84,3 +84,14 @@ def test_a_module_whose_answers_differ_from_the_table_is_not_tabled(monkeypatch)
 def test_negative_positions_are_left_to_the_module():
     table = RopeTable(build_tiny_model("llama", dtype=torch.float32).model.rotary_emb)
     assert table.factors(torch.tensor([[-1, 2]])) is None
+
+
+def test_a_rotary_module_with_hooks_is_asked_every_step():
+    rotary = build_tiny_model("llama", dtype=torch.float32).model.rotary_emb
+    table = RopeTable(rotary)
+    assert table.factors(torch.tensor([[3]])) is not None
+    handle = rotary.register_forward_hook(lambda module, args, output: None)
+    try:
+        assert table.factors(torch.tensor([[3]])) is None
+    finally:
+        handle.remove()
