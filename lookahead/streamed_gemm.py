@@ -14,6 +14,8 @@ their small-M paths either re-read the weights or leave the memory bus idle whil
 - reads the rows' inputs transposed ([K, M], transposed by compiled code before the threads start), so one
   pointer serves every row (a pointer per row spilled general registers on AVX2 at 12 rows: 12 rows then cost
   1.5x 8 rows' time, now 1.1x);
+- for 1–3 rows computes several panels at once (`PANELS_PER_PASS`): one row's sum is a chain of dependent
+  multiply-adds that waits on their latency, and more panels are more independent chains;
 - prefetches the weights `PREFETCH_STEPS` vectors ahead, so loads are in flight while the rows are computed;
 - splits the panels between the threads (numba's parallel loop), each thread a contiguous range.
 
@@ -23,7 +25,8 @@ rounding, with the row count). The numbers differ from PyTorch's default matmul 
 
 Weights with an exact 4-bit or 8-bit block form (models from Q4_0 / Q4_1 / Q8_0 GGUF files, the default model
 among them) can stream from it instead ("affine4" / "scaled8" panels, `affine_weights`; kernel IR in
-`affine_kernel`): the same bits from 0.75 / 1.125 bytes per weight.
+`affine_kernel`; on AVX2, register tiles in assembly for some row counts, `affine_tiles`): the same bits from 0.75 /
+1.125 bytes per weight.
 
 The kernels are LLVM IR generated here (one function per row count up to `rows_per_pass()`, and a dispatcher),
 compiled for the host CPU with llvmlite (numba's own LLVM binding) once per process. `available()` is False when
