@@ -47,17 +47,21 @@ def affine_kernel_ir(rows: int, width: int, prefetch: int = AFFINE_PREFETCH_STEP
     out = [f"define internal void @{name}{_SIGNATURE} {{",
            "entry:\n  %x = inttoptr i64 %xa to ptr\n  %w = inttoptr i64 %wa to ptr\n  %y = inttoptr i64 %ya to ptr",
            f"  %records = udiv i64 %K, {AFFINE_BLOCK}\n  %groups = udiv i64 %K, 8"]
-    together = affine_panels_per_pass(rows)
-    if together > 1:
-        out.append(f"  %span = sub i64 %hi, %lo\n  %whole = udiv i64 %span, {together}")
-        out.append(f"  %wide = mul i64 %whole, {together}\n  %mid = add i64 %lo, %wide\n  br label %Mpanel")
-        out += _panel_loop(form, "M", rows, together, width, prefetch, ("entry", "%lo", "%mid", "Tpanel"))
-        out += _panel_loop(form, "T", rows, 1, width, prefetch, ("Mpanel", "%mid", "%hi", "exit"))
-    else:
-        out.append("  br label %Tpanel")
-        out += _panel_loop(form, "T", rows, 1, width, prefetch, ("entry", "%lo", "%hi", "exit"))
-    out.append("exit:\n  ret void\n}")
+    out += panel_passes(affine_panels_per_pass(rows),
+                        lambda tag, together, edges: _panel_loop(form, tag, rows, together, width, prefetch, edges))
     return "\n".join(out)
+
+
+def panel_passes(together: int, loop) -> list[str]:
+    """IR of a kernel after its entry block: panels lo ≤ b < hi, `together` at a time by `loop("M", together,
+    edges)`, then the ones left over one at a time by `loop("T", 1, edges)` (that loop alone when `together` is 1),
+    then the exit block. `edges` = (block the loop is entered from, first panel, end, block to branch to when done)."""
+    if together == 1:
+        return ["  br label %Tpanel", *loop("T", 1, ("entry", "%lo", "%hi", "exit")), "exit:\n  ret void\n}"]
+    return [f"  %span = sub i64 %hi, %lo\n  %whole = udiv i64 %span, {together}",
+            f"  %wide = mul i64 %whole, {together}\n  %mid = add i64 %lo, %wide\n  br label %Mpanel",
+            *loop("M", together, ("entry", "%lo", "%mid", "Tpanel")),
+            *loop("T", 1, ("Mpanel", "%mid", "%hi", "exit")), "exit:\n  ret void\n}"]
 
 
 def affine_panels_per_pass(rows: int) -> int:

@@ -45,7 +45,7 @@ import torch
 from numba.core import types as nb_types
 from numba.extending import intrinsic
 
-from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS, affine_kernel_ir, store_sums
+from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS, affine_kernel_ir, panel_passes, store_sums
 from .compiled_ir import call_codegen, compiled_addresses, host_features
 
 # Weight vectors prefetched ahead: 4 KB with AVX-512 (measured: 4–32 too close, 128–256 no better, 512 worse). A
@@ -232,15 +232,7 @@ def kernel_ir(rows: int, width: int, prefetch: int = PREFETCH_STEPS, name: str =
     together = PANELS_PER_PASS.get(weights, {}).get(rows, 1)
     out = [f"define internal void @{name}(i64 %xa, i64 %xs, i64 %wa, i64 %ya, i64 %K, i64 %N, i64 %lo, i64 %hi) {{",
            "entry:\n  %x = inttoptr i64 %xa to ptr\n  %w = inttoptr i64 %wa to ptr\n  %y = inttoptr i64 %ya to ptr"]
-    if together > 1:
-        out.append(f"  %span = sub i64 %hi, %lo\n  %whole = udiv i64 %span, {together}")
-        out.append(f"  %wide = mul i64 %whole, {together}\n  %mid = add i64 %lo, %wide\n  br label %Mpanel")
-        out += _panels_loop("M", rows, together, width, prefetch, weights, ("entry", "%lo", "%mid", "Tpanel"))
-        out += _panels_loop("T", rows, 1, width, prefetch, weights, ("Mpanel", "%mid", "%hi", "exit"))
-    else:
-        out.append("  br label %Tpanel")
-        out += _panels_loop("T", rows, 1, width, prefetch, weights, ("entry", "%lo", "%hi", "exit"))
-    out.append("exit:\n  ret void\n}")
+    out += panel_passes(together, lambda tag, n, edges: _panels_loop(tag, rows, n, width, prefetch, weights, edges))
     return "\n".join(out)
 
 
