@@ -6,6 +6,7 @@ planning policy that uses it in `budget.py`.
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import asdict, dataclass, replace
 
@@ -38,7 +39,7 @@ class CostCurve:
         """Cost of a forward of `rows` rows relative to one row (linear inter- and extrapolation)."""
         sizes, ratios = self.sizes, self.ratios
         if rows <= sizes[-1]:
-            return float(np.interp(rows, sizes, ratios))
+            return interpolate(rows, sizes, ratios)
         slope = (ratios[-1] - ratios[-2]) / (sizes[-1] - sizes[-2])
         return ratios[-1] + slope * (rows - sizes[-1])
 
@@ -48,8 +49,8 @@ class CostCurve:
         if not self.by_context:
             return self
         lengths = [self.prefix_len] + [length for length, _ in self.by_context]
-        table = np.array([self.ratios] + [ratios for _, ratios in self.by_context])  # [n_lengths, n_sizes]
-        ratios = tuple(float(np.interp(prefix_len, lengths, table[:, i])) for i in range(len(self.sizes)))
+        columns = zip(self.ratios, *(ratios for _, ratios in self.by_context))  # per size: its ratio at each length
+        ratios = tuple(interpolate(prefix_len, lengths, column) for column in columns)
         return replace(self, ratios=ratios, prefix_len=int(prefix_len), by_context=())
 
     def scaled(self, scale: float) -> "CostCurve":
@@ -73,6 +74,19 @@ class CostCurve:
                        str(data.get("source", "measured")))
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a cost curve: {exc}") from exc
+
+
+def interpolate(x: float, xs, ys) -> float:
+    """`np.interp(x, xs, ys)` for one point (the same arithmetic: clamped to the ends, else the segment's slope
+    times the distance from its left end, plus that end's value), without numpy's per-call cost; the planner asks
+    for a few dozen ratios a step. xs: increasing."""
+    if x <= xs[0]:
+        return float(ys[0])
+    if x >= xs[-1]:
+        return float(ys[-1])
+    j = bisect.bisect_right(xs, x) - 1
+    slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j])
+    return float(slope * (x - xs[j]) + ys[j])
 
 
 def implausible(curve: CostCurve) -> str | None:

@@ -70,16 +70,22 @@ def top_k(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
 @numba.njit(cache=True)
 def _update(table, scores, tokens, topk, values):
     """table[tokens[i]] = topk[i] and scores[tokens[i]] = values[i] for i in order (a later row wins for a
-    repeated token).
+    repeated token); rows are cut or padded (-1, score 0) to the table's k, tokens outside the table are skipped
+    and predictions outside it stored as -1.
 
-    table: [vocab, k] int32; scores: [vocab, k] float32; tokens: [n] int64 in [0, vocab); topk: [n, k] int64;
-    values: [n, k] float32."""
-    k = table.shape[1]
+    table: [vocab, k] int32; scores: [vocab, k] float32; tokens: [n] int64; topk: [n, m] int64;
+    values: [n, m] float32."""
+    vocab, k = table.shape
+    width = min(k, topk.shape[1])
     for i in range(tokens.shape[0]):
         t = tokens[i]
+        if t < 0 or t >= vocab:
+            continue
         for r in range(k):
-            table[t, r] = topk[i, r]
-            scores[t, r] = values[i, r]
+            token = topk[i, r] if r < width else -1
+            inside = 0 <= token < vocab
+            table[t, r] = token if inside else -1
+            scores[t, r] = values[i, r] if r < width else 0.0
 
 
 @numba.njit(cache=True)
@@ -219,15 +225,8 @@ class RecycleTable:
         dropped (-1), so every stored id indexes the table."""
         values = np.zeros(topk.shape, np.float32) if values is None else values
         with self._lock:
-            vocab, k = self.table.shape
-            keep = (tokens >= 0) & (tokens < vocab)
-            rows = np.full((int(keep.sum()), k), -1, dtype=np.int64)  # [n', k]
-            logits = np.zeros((int(keep.sum()), k), dtype=np.float32)  # [n', k]
-            width = min(k, topk.shape[1])
-            rows[:, :width] = topk[keep, :width]
-            logits[:, :width] = values[keep, :width]
-            rows[rows >= vocab] = -1
-            _update(self.table, self.scores, np.ascontiguousarray(tokens[keep], dtype=np.int64), rows, logits)
+            _update(self.table, self.scores, np.ascontiguousarray(tokens, dtype=np.int64),
+                    np.ascontiguousarray(topk, dtype=np.int64), np.ascontiguousarray(values, dtype=np.float32))
 
     def grow(self, grower: "_Grower", root: int, value: np.ndarray, noise: np.ndarray,
              inv_temp: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

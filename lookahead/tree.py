@@ -51,20 +51,20 @@ class DraftTree:
         tokens, parents, source, scores = [int(root)], [-1], [-1], [np.inf]
         index: dict[tuple[int, int], int] = {}
         for rank, path in enumerate(paths):
-            weight, node = 1.0 / (rank + 1), 0
-            for depth, token in enumerate(path, start=1):
+            weight, node, origin = 1.0 / (rank + 1), 0, int(sources[rank])
+            for depth, token in enumerate(path.tolist() if isinstance(path, np.ndarray) else path, start=1):
                 key = (node, int(token))
                 child = index.get(key)
                 if child is None:
                     child = index[key] = len(tokens)
-                    tokens.append(int(token)), parents.append(node), source.append(int(sources[rank]))
+                    tokens.append(key[1]), parents.append(node), source.append(origin)
                     scores.append(0.0)
                 scores[child] += weight * DEPTH_DECAY**depth
                 node = child
         scores = np.asarray(scores)
         keep = _best_nodes(scores, budget)
-        return cls._build(np.asarray(tokens)[keep], np.asarray(parents)[keep], np.asarray(source)[keep],
-                          scores[keep], keep)
+        return cls._build(np.asarray(tokens, dtype=np.int64)[keep], np.asarray(parents, dtype=np.int64)[keep],
+                          np.asarray(source, dtype=np.int64)[keep], scores[keep], keep)
 
     def prune(self, budget: int) -> "DraftTree":
         """This tree cut to the root plus its `budget` best-scoring nodes (the same rule as `from_paths`)."""
@@ -80,13 +80,19 @@ class DraftTree:
     @classmethod
     def _build(cls, tokens, parents, source, scores, keep) -> "DraftTree":
         """Renumber kept nodes (in creation order) and derive depth and child tables."""
-        renumber = {int(old): new for new, old in enumerate(keep)}
-        parents = np.array([-1] + [renumber[int(p)] for p in parents[1:]], dtype=np.int64)
+        if len(keep) == 0 or int(keep[-1]) == len(keep) - 1:  # every node up to the last kept: numbers unchanged
+            parents = parents.astype(np.int64)
+        else:
+            renumber = {old: new for new, old in enumerate(keep.tolist())}
+            parents = np.array([-1] + [renumber[p] for p in parents[1:].tolist()], dtype=np.int64)
         depth = np.zeros(len(keep), dtype=np.int64)
-        children = tuple({} for _ in keep)
+        children = tuple({} for _ in range(len(keep)))
+        listed_parents, listed_tokens, listed_depth = parents.tolist(), tokens.tolist(), [0] * len(keep)
         for node in range(1, len(keep)):
-            depth[node] = depth[parents[node]] + 1
-            children[parents[node]][int(tokens[node])] = node
+            parent = listed_parents[node]
+            listed_depth[node] = listed_depth[parent] + 1
+            children[parent][listed_tokens[node]] = node
+        depth[:] = listed_depth
         return cls(tokens.astype(np.int64), parents, depth, source.astype(np.int64), scores.astype(np.float64),
                    children)
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from lookahead.cost_curve import CURVE_SIZES, CostCurve, ObservedCost, implausible
+from lookahead.cost_curve import CURVE_SIZES, CostCurve, ObservedCost, implausible, interpolate
 
 
 def test_cost_curve_interpolates_extrapolates_and_round_trips():
@@ -63,3 +64,12 @@ def test_observed_cost_is_not_swung_by_noise_on_a_nearly_free_row_count():
     for _ in range(20):
         observed.record(8, 2.5)  # wide steps really cost three times the curve's extra
     assert observed.scale() > 2.5
+
+
+def test_interpolate_is_numpys_interp_to_the_bit():
+    """The planner's scalar interpolation gives np.interp's very numbers, at knots, between them and beyond."""
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        ys = tuple(np.cumsum(rng.random(len(CURVE_SIZES))).round(4).tolist())
+        for x in (float(rng.uniform(-5.0, 80.0)), int(rng.integers(0, 70)), CURVE_SIZES[int(rng.integers(0, 10))]):
+            assert interpolate(x, CURVE_SIZES, ys) == float(np.interp(x, CURVE_SIZES, ys))
