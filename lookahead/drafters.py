@@ -108,16 +108,17 @@ class Drafters:
                 keys, inv_temp = (NO_NOISE, 1.0) if noise is None else (noise.keys, noise.inv_temp)
                 found, ranks = self.recycle.propose(root, self._recycle_value(estimates), max_len, keys, inv_temp)
                 paths += found
-                sources += (RECYCLE + np.minimum(ranks, RECYCLE_SOURCES - 1)).tolist()
+                sources += (RECYCLE + np.minimum(ranks, RECYCLE_SOURCES - 1)).tolist()  # ranks: the classes
         return DraftTree.from_paths(root, paths, sources, budget=sum(len(p) for p in paths))
 
     def _recycle_value(self, estimates: np.ndarray | None) -> np.ndarray:
-        """[D, k] conditional acceptance of a recycled node by depth and top-k rank, from the planner's
-        per-source estimates [n_sources, D] (None: 0.5 / (rank + 1) at every depth)."""
-        ranks = np.minimum(np.arange(self.config.recycle_k), RECYCLE_SOURCES - 1)
+        """[D, RECYCLE_SOURCES] conditional acceptance of a recycled node by depth and class (`recycle`: 0 a
+        confident top-1 prediction, 1 another top-1, then by place), from the planner's per-source estimates
+        [n_sources, D] (None: 0.5 / (class + 1) at every depth)."""
+        classes = np.arange(RECYCLE_SOURCES)
         if estimates is None:
-            return np.tile(0.5 / (1.0 + np.arange(self.config.recycle_k)), (self.config.max_draft_len, 1))
-        return estimates[RECYCLE + ranks].T  # ranks from RECYCLE_SOURCES - 1 on share one estimate
+            return np.tile(0.5 / (1.0 + classes), (self.config.max_draft_len, 1))
+        return estimates[RECYCLE + classes].T
 
     def sampled_drafts(self, tree: DraftTree) -> SampledDrafts:
         """The draft model's sampled chain as it survives in `tree` (e.g. after pruning): {parent node: (chain

@@ -19,11 +19,13 @@ K = 3
 
 
 def _table(rows: dict[int, list[int]], vocab: int = 16) -> RecycleTable:
-    """A RecycleTable whose rows are given literally: {token: its top-K next tokens, best first}."""
+    """A RecycleTable whose rows are given literally: {token: its top-K next tokens, best first}, each row's top-1
+    confident (recycled logits 9, 1, 0: classes 0, 2, 3)."""
     table = RecycleTable(K)
     table.ensure(vocab, K)
     tokens = np.array(list(rows), dtype=np.int64)
-    table.update(tokens, np.array(list(rows.values()), dtype=np.int64))
+    table.update(tokens, np.array(list(rows.values()), dtype=np.int64),
+                 np.array([[9.0, 1.0, 0.0]] * len(rows), dtype=np.float32))
     return table
 
 
@@ -87,12 +89,12 @@ CHAIN = {1: [2, 3, 4], 2: [5, 6, 7], 5: [8, 9, 10]}
 
 
 @pytest.mark.parametrize("value, expected", [
-    # Confident top-1 predictions: the growth follows the chain deep before widening.
-    ([[0.9, 0.05, 0.01]] * 3, [[2], [2, 5], [2, 5, 8], [3]]),
+    # (columns: classes 0-3) Confident top-1 predictions: the growth follows the chain deep before widening.
+    ([[0.9, 0.5, 0.05, 0.01]] * 3, [[2], [2, 5], [2, 5, 8], [3]]),
     # Flat estimates: breadth first at the root.
-    ([[0.3, 0.3, 0.3]] * 3, [[2], [3], [4], [2, 5]]),
+    ([[0.3] * 4] * 3, [[2], [3], [4], [2, 5]]),
     # Per depth: a confident second token, a weak third one.
-    ([[0.5, 0.45, 0.3], [0.95, 0.1, 0.1], [0.1, 0.1, 0.1]], [[2], [2, 5], [3], [4]]),
+    ([[0.5, 0.5, 0.45, 0.3], [0.95, 0.5, 0.1, 0.1], [0.1] * 4], [[2], [2, 5], [3], [4]]),
 ])
 def test_growth_is_best_first_on_the_estimates(value, expected):
     drafter = _drafter(_table(CHAIN), nodes=4, depth=3)
@@ -102,13 +104,14 @@ def test_growth_is_best_first_on_the_estimates(value, expected):
 
 def test_growth_respects_node_depth_and_length_limits_and_reports_ranks():
     drafter = _drafter(_table(CHAIN), nodes=32, depth=2)
-    paths, ranks = _paths(drafter, 1, [[0.5, 0.4, 0.3]] * 2)
+    value = [[0.5, 0.45, 0.4, 0.3]] * 2
+    paths, classes = _paths(drafter, 1, value)
     assert max(len(p) for p in paths) == 2 and len(paths) == 3 + 3  # root's 3 children, 2's 3 children
-    assert {tuple(p): r for p, r in zip(paths, ranks)}[(2, 6)] == 1
-    short, _ = _paths(drafter, 1, [[0.5, 0.4, 0.3]] * 2, max_len=1)
+    assert {tuple(p): c for p, c in zip(paths, classes)}[(2, 6)] == 2  # a second prediction
+    short, _ = _paths(drafter, 1, value, max_len=1)
     assert short == [[2], [3], [4]]
-    assert _paths(drafter, 7, [[0.5, 0.4, 0.3]] * 2) == ([], [])  # a root never verified: no draft
-    assert _paths(drafter, 99, [[0.5, 0.4, 0.3]] * 2) == ([], [])  # outside the table
+    assert _paths(drafter, 7, value) == ([], [])  # a root never verified: no draft
+    assert _paths(drafter, 99, value) == ([], [])  # outside the table
 
 
 def test_every_path_extends_an_earlier_one():
@@ -125,20 +128,20 @@ def test_every_path_extends_an_earlier_one():
     assert len(seen) == 21
 
 
-def test_drafters_merge_recycled_nodes_with_rank_sources_and_share_the_table():
+def test_drafters_merge_recycled_nodes_with_class_sources_and_share_the_table():
     config = LookaheadConfig(window_levels=0, pool_candidates=0, prompt_candidates=0, recycle_k=K,
                              recycle_nodes=6, max_draft_len=3)
     table = RecycleTable(K)
     first = Drafters(config, 16, np.array([3, 1]), recycle_table=table)
     first.recycle_rows(np.array([1, 2]), torch.tensor([[0.0] * 16] * 2).index_put_(
-        (torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([2, 3, 4, 5, 6, 7])), torch.tensor([3.0, 2, 1, 3, 2, 1])))
-    assert table.table[1].tolist() == [2, 3, 4]
+        (torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([2, 3, 4, 5, 6, 7])), torch.tensor([9.0, 2, 1, 3, 2, 1])))
+    assert table.table[1].tolist() == [2, 3, 4]  # token 1's top-1 holds 0.999 of the row: confident; token 2's 0.67
     second = Drafters(config, 16, np.array([9, 1]), recycle_table=table)  # another generation, same table
     tree = second.draft(1, max_len=3)
     assert tree.size == 7
     by_path = {tuple(tree.path_tokens(n)): int(tree.source[n]) for n in range(1, tree.size)}
-    assert by_path[(2,)] == by_path[(2, 5)] == RECYCLE and by_path[(3,)] == by_path[(2, 6)] == RECYCLE + 1
-    assert by_path[(4,)] == RECYCLE + 2
+    assert by_path[(2,)] == RECYCLE and by_path[(2, 5)] == RECYCLE + 1  # a confident and a less confident top-1
+    assert by_path[(3,)] == by_path[(2, 6)] == RECYCLE + 2 and by_path[(4,)] == by_path[(2, 7)] == RECYCLE + 3
     assert {SOURCE_DRAFTER[s] for s in by_path.values()} == {"recycle"}
     assert len(SOURCE_DRAFTER) == RECYCLE + RECYCLE_SOURCES
     off = Drafters(config.with_overrides(recycle_nodes=0), 16, np.array([9, 1]), recycle_table=table)
@@ -232,7 +235,7 @@ def _scored_table() -> RecycleTable:
     return table
 
 
-CONFIDENT = np.array([[0.9, 0.05, 0.01]] * 2)
+CONFIDENT = np.array([[0.9, 0.9, 0.05, 0.01]] * 2)  # by class: a first-placed child is worth far more
 
 
 def _key_ordering(logits: dict[int, float], order: list[int], inv_temp: float = 1.0) -> np.uint64:
@@ -254,9 +257,9 @@ def test_seeded_noise_orders_children_as_the_seeded_draw_would():
     keys = np.array([_key_ordering(ROOT_CHILDREN, [4, 2, 3]),  # depth 1: token 4 drawn before 2 and 3
                      _key_ordering(CHILDREN_OF_2, [6, 5, 7])], dtype=np.uint64)  # depth 2: token 6 first
     paths, ranks = drafter.propose(1, CONFIDENT, 8, keys, 1.0)
-    assert [p.tolist() for p in paths] == [[4], [2], [2, 6]] and ranks.tolist() == [0, 1, 0]
+    assert [p.tolist() for p in paths] == [[4], [2], [2, 6]] and ranks.tolist() == [1, 2, 1]  # first: class 1
     plain, plain_ranks = drafter.propose(1, CONFIDENT, 8)  # without noise: the top-k order
-    assert [p.tolist() for p in plain] == [[2], [2, 5], [3]] and plain_ranks.tolist() == [0, 0, 1]
+    assert [p.tolist() for p in plain] == [[2], [2, 5], [3]] and plain_ranks.tolist() == [1, 1, 2]
 
 
 def test_seeded_noise_scales_the_recycled_logits_by_one_over_temperature():
@@ -275,7 +278,7 @@ def test_noise_keys_reach_only_their_depths():
     drafter = _drafter(_scored_table(), nodes=3, depth=2)
     keys = np.array([_key_ordering(ROOT_CHILDREN, [3, 2, 4])], dtype=np.uint64)  # depth 1 only
     paths, ranks = drafter.propose(1, CONFIDENT, 8, keys, 1.0)
-    assert [p.tolist() for p in paths] == [[3], [2], [2, 5]] and ranks.tolist() == [0, 1, 0]  # depth 2: top-k
+    assert [p.tolist() for p in paths] == [[3], [2], [2, 5]] and ranks.tolist() == [1, 2, 1]  # depth 2: top-k
 
 
 def test_observe_keeps_the_recycled_logits_and_snapshots_restore_them():
@@ -287,3 +290,16 @@ def test_observe_keeps_the_recycled_logits_and_snapshots_restore_them():
     table.clear()
     table.restore(saved)
     assert table.table[2].tolist() == [1, 3, 6] and table.scores[2].tolist() == [5.0, 4.0, 3.0]
+
+
+@pytest.mark.parametrize("logits, top_class", [([9.0, 1.0, 0.0], 0), ([2.0, 1.0, 0.0], 1), ([0.0, 0.0, 0.0], 1)])
+def test_a_top_prediction_is_confident_only_with_most_of_the_recycled_probability(logits, top_class):
+    """Class 0 needs a share of at least CONFIDENT (softmax over the stored logits: 0.9996 / 0.665 / 1/3 here);
+    the second and third predictions are classes 2 and 3 whatever the shares, and the last class takes the rest."""
+    table = RecycleTable(K)
+    table.ensure(16, K)
+    table.update(np.array([1]), np.array([[2, 3, 4]]), np.array([logits], dtype=np.float32))
+    paths, classes = _paths(RecycleDrafter(table, 16, K, 3, 1), 1, [[0.5, 0.4, 0.3, 0.2]])
+    assert dict(zip(map(tuple, paths), classes)) == {(2,): top_class, (3,): 2, (4,): 3}
+    _, capped = _paths(RecycleDrafter(table, 16, K, 3, 1), 1, [[0.5, 0.4, 0.3]])  # three classes: 3 becomes 2
+    assert sorted(capped) == sorted([top_class, 2, 2])
