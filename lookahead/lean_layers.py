@@ -37,6 +37,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from . import fused_stack
 from .fused_layer import FusedLayer
 from .packed_linear import FusedMember, PackedLinear, _linear
+from .rope_table import fold_sin
 
 _ON_ATTR = "_lookahead_lean_on"
 
@@ -210,9 +211,7 @@ class FoldedRotary:
         """(cos, folded sin), each `[B, 1, T, D]`, for the model's `(cos, sin)` `[B, T, D]`."""
         cos, sin = position_embeddings
         if self._source is None or self._source[0] is not cos or self._source[1] is not sin:
-            half = sin.shape[-1] // 2
-            folded = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-            self._source, self._factors = (cos, sin), (cos.unsqueeze(1), folded.unsqueeze(1))
+            self._source, self._factors = (cos, sin), (cos.unsqueeze(1), fold_sin(sin).unsqueeze(1))
         return self._factors
 
 

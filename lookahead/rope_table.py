@@ -11,7 +11,7 @@ doubling as needed) and a step gathers its rows.
 Nothing is assumed: a table is kept only when the module, asked again for a few positions on their own and in a
 short run, gives the table's rows bit for bit; the frequencies' identity and version are checked every step (a
 changed buffer makes a new table). Any other rotary module (dynamic, YaRN, long-RoPE types, a replaced forward),
-or one with hooks, is left to compute every step.
+or one with hooks, is left to compute every step. `fold_sin` (the fold itself) serves `lean_layers.FoldedRotary` too.
 """
 
 from __future__ import annotations
@@ -72,6 +72,11 @@ class RopeTable:
         """The module's (cos, folded sin) for `position_ids` `[1, T]`, as float32 numpy `[T, D]`."""
         probe = torch.zeros(1, dtype=torch.float32)  # the module reads only its dtype and device
         cos, sin = self.rotary(probe, position_ids=position_ids)
-        half = sin.shape[-1] // 2
-        folded = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        return cos[0].float().contiguous().numpy(), folded[0].float().contiguous().numpy()
+        return cos[0].float().contiguous().numpy(), fold_sin(sin)[0].float().contiguous().numpy()
+
+
+def fold_sin(sin: torch.Tensor) -> torch.Tensor:
+    """RoPE's sin `[..., D]` with its first half negated: `rotate_half(x) * sin` = `x.roll(D / 2) * fold_sin(sin)`
+    for Llama's `rotate_half(x) = cat(-x2, x1)`."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)

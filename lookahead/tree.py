@@ -85,16 +85,14 @@ class DraftTree:
         else:
             renumber = {old: new for new, old in enumerate(keep.tolist())}
             parents = np.array([-1] + [renumber[p] for p in parents[1:].tolist()], dtype=np.int64)
-        depth = np.zeros(len(keep), dtype=np.int64)
         children = tuple({} for _ in range(len(keep)))
-        listed_parents, listed_tokens, listed_depth = parents.tolist(), tokens.tolist(), [0] * len(keep)
+        listed_parents, listed_tokens, depth = parents.tolist(), tokens.tolist(), [0] * len(keep)
         for node in range(1, len(keep)):
             parent = listed_parents[node]
-            listed_depth[node] = listed_depth[parent] + 1
+            depth[node] = depth[parent] + 1
             children[parent][listed_tokens[node]] = node
-        depth[:] = listed_depth
-        return cls(tokens.astype(np.int64), parents, depth, source.astype(np.int64), scores.astype(np.float64),
-                   children)
+        return cls(tokens.astype(np.int64), parents, np.array(depth, dtype=np.int64), source.astype(np.int64),
+                   scores.astype(np.float64), children)
 
     def ancestor_mask(self) -> np.ndarray:
         """[N, N] bool: `mask[i, j]` is True iff node j is node i or one of its ancestors."""
