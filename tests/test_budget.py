@@ -47,6 +47,27 @@ def test_a_depth_not_tested_yet_starts_from_the_shallower_estimate():
     assert got[1, 1] == pytest.approx(got[1, 0]) and got[1, 0] < 0.05  # not the fixed prior 0.3
 
 
+def _reference_estimates(rates: AcceptanceRates) -> np.ndarray:
+    """The class docstring's rule, one numpy expression per depth (what `_estimate` computed before it was compiled)."""
+    out = np.empty_like(rates.accepted)
+    above = np.full(out.shape[0], rates.prior)
+    for d in range(out.shape[1]):
+        total = rates.tested[:, d] + rates.prior_weight
+        estimate = (rates.accepted[:, d] + rates.prior_weight * above) / np.maximum(total, 1e-300)
+        above = out[:, d] = np.where(total > 1e-12, estimate, above)
+    return np.clip(out, 0.01, 0.99)
+
+
+def test_compiled_estimates_are_the_reference_rule_to_the_bit():
+    rng = np.random.default_rng(0)
+    for case in range(300):
+        rates = AcceptanceRates(7, prior=float(rng.uniform(0.05, 0.6)))
+        rates.tested = rng.random((7, 8)) * rng.integers(0, 6) * (rng.random((7, 8)) < 0.6)
+        rates.accepted = rates.tested * rng.random((7, 8))
+        rates.prior_weight = (2.0, 1e-13, 0.0, float(rng.uniform(0, 2)))[case % 4]  # incl. no prior weight left
+        assert np.array_equal(rates._estimate(), _reference_estimates(rates)), case
+
+
 def _rates(n_sources: int, depths: int, value: float) -> np.ndarray:
     return np.full((n_sources, depths), value)
 

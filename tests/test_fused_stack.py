@@ -163,6 +163,24 @@ def test_weights_changed_in_place_and_a_new_cache_reach_the_stack(monkeypatch):
     _assert_equal(stacked, per_layer)
 
 
+def test_weights_are_checked_on_the_first_step_of_each_cache_and_row_count(monkeypatch):
+    """The ~200 parameters' versions are read once per cache (generation) and row count, not on every step."""
+    checks = []
+    real = fused_stack.weights_stamp
+    monkeypatch.setattr(fused_stack, "weights_stamp", lambda packed: checks.append(1) or real(packed))
+    model, prompt = _model("llama"), repetitive_prompt(4, length=30)
+    with torch.no_grad(), packed_linears(model), tree_attention(model), lean_layers(model):
+        apply_row_kernels(model, RowKernels(0, 8))
+        _, cache = three_steps(model, prompt)  # a one-row and a 6-row step: two row counts
+        assert len(checks) == 2 + 1  # and the first build
+        stack = model.model.forward
+        for _ in range(3):  # more steps of a row count this cache has run
+            stack(input_ids=prompt[:, -1:], past_key_values=cache, use_cache=True)
+        assert len(checks) == 3
+        three_steps(model, prompt)  # a new cache: checked again
+        assert len(checks) == 5
+
+
 def test_the_stack_forward_is_installed_only_within_the_block_and_only_fused():
     model = _model("llama")
     with torch.no_grad(), packed_linears(model), lean_layers(model):
