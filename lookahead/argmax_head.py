@@ -131,8 +131,7 @@ class BoundedHead:
         tokens = np.flatnonzero(reach.any(axis=0) if len(reach) > 1 else reach[0])
         if len(tokens) > MAX_CANDIDATES:
             return exact(x)
-        tokens = torch.from_numpy(tokens)
-        out[:, tokens] = streamed_gemm.product(x, streamed_gemm.pack(self.weight[tokens]))
+        out[:, torch.from_numpy(tokens)] = streamed_gemm.product(x, streamed_gemm.pack_rows(self.weight, tokens))
         return out
 
 

@@ -173,6 +173,21 @@ def test_int8_panels_compute_the_product_of_the_rounded_weight(rows, out_feature
     torch.testing.assert_close(product(x, quantized), (x.double() @ dequantized.T).float(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("picked", [[3], [0, 17, 18, 129, 299], list(range(8)), [5, 5, 250, 1, 9, 9, 2, 0, 77]])
+def test_rows_gathered_into_panels_are_the_panels_of_the_gathered_rows(picked, monkeypatch):
+    """`pack_rows` (one compiled gather, used by the LM head for its candidate tokens) writes exactly the panels
+    `pack(weight[rows])` writes, padding zeros included, into panels that held NaN."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *shape, **kw: empty(*shape, **kw).fill_(float("nan")))
+    generator = torch.Generator().manual_seed(len(picked))
+    weight = torch.randn(300, 70, generator=generator)
+    rows = torch.tensor(picked)
+    expected = pack(weight[rows])
+    got = streamed_gemm.pack_rows(weight, rows.numpy())
+    assert got.panels.shape == expected.panels.shape and torch.equal(got.panels, expected.panels)
+    assert got.out_features == len(picked) and got.bias is None and got.kind == "float32"
+
+
 @needs_kernel
 def test_a_few_weight_rows_packed_alone_give_the_full_products_numbers_bit_for_bit():
     """What `argmax_head` relies on: an output's multiply-adds do not depend on the other rows packed with it."""
