@@ -2,7 +2,7 @@
 
 `walk` starts at the root. At node v the pick rule emits the token that follows v's path; if a child of v carries
 that token the walk descends into it, otherwise the token is the bonus and the walk stops. The rules, each exact
-(see DESIGN.md, "Exact verification"):
+(README, "Sampling, and why the output is exact"):
 
 - greedy (`verify_greedy`): the argmax of v's processed scores;
 - point-mass rejection (`verify_point_mass`, `sample_point_mass`): v's children tried in rank order, each accepted

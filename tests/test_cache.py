@@ -1,4 +1,4 @@
-"""Tests for lookahead/cache.py. The key test (DESIGN "Cache"): after a packed tree (+ window) forward on a tiny
+"""Tests for lookahead/cache.py. The key test: after a packed tree (+ window) forward on a tiny
 random Llama / Qwen2 in fp64, `keep_rows` for an accepted path leaves a cache that gives the same logits and
 K/V as a fresh prefill of the committed tokens, for a contiguous path (crop branch) and a non-contiguous one
 (gather branch). Also: the tree forward's per-node logits equal sequential forwards, exact `keep_rows`
