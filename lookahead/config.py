@@ -30,6 +30,9 @@ class LookaheadConfig:
     With `adaptive` (the default) `tree_budget` and the window are upper bounds: each step keeps only the
     nodes and window rows that pay for themselves on the measured cost curve (see `budget.py`); with
     `adaptive=False` every step verifies the full tree and window.
+    `rest_drafters` (opt-in; with `adaptive`, batch size 1, a plan that may follow timings): where speculation's
+    measured throughput falls clearly below a plain step's, take plain steps without drafting for a while, then
+    probe again (`rest.py`; off by default until a larger measurement shows it pays: see the README).
     `packed_linear` (CPU, fp32): run the model's linear layers on oneDNN-prepacked weights during generation
     (`packed_linear.py`), which makes a forward of several rows nearly as cheap as one row; speculative and
     plain steps (`off()`) then use the same arithmetic. Products of at most `default_matmul_rows` rows run PyTorch's
@@ -74,6 +77,7 @@ class LookaheadConfig:
     max_draft_len: int = 8
     tree_budget: int = 16
     adaptive: bool = True
+    rest_drafters: bool = False
     packed_linear: bool = True
     default_matmul_rows: int | None = None
     streamed_matmul_rows: int | None = None
@@ -107,7 +111,7 @@ class LookaheadConfig:
             _check_range("seed", self.seed, 0, 2**63 - 1)
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {self.attention!r}")
-        for name in ("pool_from_text", "adaptive", "packed_linear", "lean_layers", "fused_layers",
+        for name in ("pool_from_text", "adaptive", "rest_drafters", "packed_linear", "lean_layers", "fused_layers",
                      "compact_weights", "argmax_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

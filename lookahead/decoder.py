@@ -14,6 +14,7 @@ from .cache import keep_rows_batched, keep_sequences
 from .config import LookaheadConfig
 from .layout import pack_batch, sliding_window
 from .request import DecodeRequest
+from .rest import DraftRest
 from .rules import draws_follow_the_plan
 from .scores import padded_tail_logits, step_outputs
 from .sequence import Sequence
@@ -55,6 +56,8 @@ class Decoder:
                                                                 request.draft_model is not None),
                                           request.follow_timings)
         self.window = sliding_window(model.config)  # the step masks apply it (the cache keeps every slot)
+        self.rest = DraftRest(config.rest_drafters and request.input_ids.shape[0] == 1
+                              and request.cost_curve is not None and self.batch_planner.timed)
 
     @torch.no_grad()
     def run(self) -> torch.Tensor:
@@ -111,7 +114,9 @@ class Decoder:
     def _step(self) -> None:
         """One speculative step of every active sequence in ONE forward."""
         t0 = time.perf_counter()
-        steps = self._plan([self.sequences[i] for i in self.active])
+        drafted = not self.rest.rests()
+        sequences = [self.sequences[i] for i in self.active]
+        steps = self._plan(sequences) if drafted else [SequenceStep(s, s.plain_tree(), False) for s in sequences]
         inputs = pack_batch([s.sequence.drafts(s.tree, s.use_window) for s in steps], self.prefix_len,
                             self.model.dtype, self.device, self.window)
         t1 = time.perf_counter()
@@ -133,7 +138,10 @@ class Decoder:
         self.stats.draft_time += t1 - t0
         self.stats.forward_time += t2 - t1
         self.batch_planner.record(inputs.input_ids.shape[1], t2 - t1)
-        self.stats.verify_time += time.perf_counter() - t2
+        end = time.perf_counter()
+        self.stats.verify_time += end - t2
+        self.rest.record(drafted, len(steps[0].committed), end - t0, t2 - t1,
+                         self.batch_planner.observed.seconds.get(1))
 
     def _verify(self, step: SequenceStep, logits: torch.Tensor, limit: int) -> SequenceStep:
         """`step` with the rule's verdict on its tree rows' raw logits [N, V] and the tokens it commits (the text

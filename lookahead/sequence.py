@@ -87,6 +87,11 @@ class Sequence:
                                                self.planner.rates.rates(), noise)
         return self.planner.rank(self._candidates).prune(self.config.tree_budget)
 
+    def plain_tree(self) -> DraftTree:
+        """The root alone: this step drafts nothing (the drafters rest) and the planner learns nothing from it."""
+        self._candidates = None
+        return DraftTree.from_paths(int(self.ids[self.length - 1]), [], [], 0)
+
     def drafts(self, tree: DraftTree, use_window: bool) -> SequenceDrafts:
         """What this sequence verifies this step (`tree` is its planned, pruned tree)."""
         return SequenceDrafts(tree, self.window if use_window else None, self.root_position, self.hidden)

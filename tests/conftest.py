@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # noqa: E402 below: imported after TRITON_INTERPRET is set (transformers imports triton)
-from lookahead import calibration, hf, row_kernels, streamed_gemm  # noqa: E402
+from lookahead import calibration, decoder, hf, rest, row_kernels, streamed_gemm  # noqa: E402
 from lookahead.cost_curve import CURVE_SIZES, CostCurve  # noqa: E402
 
 
@@ -51,3 +51,11 @@ def injected_cost_curve(monkeypatch):
         monkeypatch.setattr(module, "row_kernels_for", lambda model, refresh=False, quiet=False:
                             INJECTED_ROW_KERNELS)
     return INJECTED_CURVE
+
+
+@pytest.fixture(autouse=True)
+def no_resting_on_timings(monkeypatch):
+    """Generations in tests never rest their drafters on the timings of the machine running them (`rest.py` follows
+    wall-clock step times): each decoder gets a `DraftRest` that never rests. `tests/test_rest.py` scripts the
+    resting and calls the policy with injected timings."""
+    monkeypatch.setattr(decoder, "DraftRest", lambda enabled: rest.DraftRest(False))
