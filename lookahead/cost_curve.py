@@ -145,6 +145,11 @@ class ObservedCost:
         """Whether a plain (one row per sequence) step has been timed."""
         return 1 in self.seconds
 
+    @property
+    def plain_seconds(self) -> float | None:
+        """The running time of a plain (one row per sequence) forward, None until one was timed."""
+        return self.seconds.get(1)
+
     def scale(self) -> float:
         """(PRIOR + Σ n_T·(observed t(T)/t(1) − 1)) / (PRIOR + Σ n_T·(curve ratio(T) − 1)) over the timed row counts
         T > 1 (n_T: how many steps of T rows were timed), clipped to SCALE_RANGE; 1.0 before a plain step was timed.

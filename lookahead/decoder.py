@@ -140,8 +140,7 @@ class Decoder:
         self.batch_planner.record(inputs.input_ids.shape[1], t2 - t1)
         end = time.perf_counter()
         self.stats.verify_time += end - t2
-        self.rest.record(drafted, len(steps[0].committed), end - t0, t2 - t1,
-                         self.batch_planner.observed.seconds.get(1))
+        self.rest.record(drafted, len(steps[0].committed), end - t0, t2 - t1, self.batch_planner.observed.plain_seconds)
 
     def _verify(self, step: SequenceStep, logits: torch.Tensor, limit: int) -> SequenceStep:
         """`step` with the rule's verdict on its tree rows' raw logits [N, V] and the tokens it commits (the text

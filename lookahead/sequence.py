@@ -75,10 +75,15 @@ class Sequence:
         """Tokens generated so far."""
         return self.length - self.prompt_length
 
+    @property
+    def root(self) -> int:
+        """The last committed token, which every step's forward starts with."""
+        return int(self.ids[self.length - 1])
+
     def candidates(self) -> DraftTree:
         """Every drafter's candidates for this step merged into one tree, ranked by the planner's estimates and
         cut to `tree_budget` nodes (the unpruned tree is kept for `learn`)."""
-        root = int(self.ids[self.length - 1])
+        root = self.root
         drafter = self.drafters.model_drafter
         chain = None if drafter is None else \
             self.planner.chain_length(DRAFT_MODEL, drafter.seconds_per_token, self.config.draft_tokens)
@@ -90,7 +95,7 @@ class Sequence:
     def plain_tree(self) -> DraftTree:
         """The root alone: this step drafts nothing (the drafters rest) and the planner learns nothing from it."""
         self._candidates = None
-        return DraftTree.from_paths(int(self.ids[self.length - 1]), [], [], 0)
+        return DraftTree.from_paths(self.root, [], [], 0)
 
     def drafts(self, tree: DraftTree, use_window: bool) -> SequenceDrafts:
         """What this sequence verifies this step (`tree` is its planned, pruned tree)."""
