@@ -27,6 +27,7 @@ from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS
 from .streamed_gemm import StreamedWeight
 
 LEVELS = 15  # the largest 4-bit code: a Q4_1 block's maximum weight has code 15 (its minimum code 0)
+FIT_CHUNK = 16384  # blocks of 32 weights checked at once (2 MB of float32: the passes over them stay in cache)
 PROBE_ROWS = 64  # rows checked first, so a matrix without the form (an LM head of 28M weights) is refused quickly
 
 
@@ -66,21 +67,44 @@ def _first_fit(values: torch.Tensor, exact: torch.Tensor, offset: torch.Tensor, 
     """(d, q) per block of `values` [N, B, 32] with values == fma(q, d, offset) bit for bit, q in `codes_range`, d the
     first candidate that fits: float16(exact) or one of its two float16 neighbours (`exact` [N, B, 1] in float64) —
     float16 values only, so that d·q is exact and `addcmul` here rounds once, as the kernel's fma does. None when
-    some block has no fitting candidate. Each later candidate is tried on the blocks still open only (the first
-    fits nearly all: the LM head's 880k blocks are checked in ~1 s)."""
+    some block has no fitting candidate. Checked FIT_CHUNK blocks at a time, so every pass over a chunk's values
+    reads them from the CPU's cache (the default model's 210 layer weights and LM head in ~1 s)."""
     values, offset, exact = (t.reshape(-1, *t.shape[2:]) for t in (values, offset, exact))
+    scales, codes = [], []
+    for start in range(0, len(values), FIT_CHUNK):
+        part = slice(start, start + FIT_CHUNK)
+        found = _fit_blocks(values[part], exact[part], offset[part], codes_range)
+        if found is None:
+            return None
+        scales.append(found[0])
+        codes.append(found[1])
+    return torch.cat(scales), torch.cat(codes)
+
+
+def _fit_blocks(values: torch.Tensor, exact: torch.Tensor, offset: torch.Tensor, codes_range: tuple[int, int]):
+    """`_first_fit` of blocks `values` [n, 32], `exact` [n, 1] float64, `offset` [n, 1]: each later candidate is
+    tried on the blocks still open only (the first fits nearly all)."""
     half = exact.to(torch.float16)
     candidates = (half.float(), torch.nextafter(half, half.new_full((), float("inf"))).float(),
                   torch.nextafter(half, half.new_zeros(())).float())
-    scale, codes = torch.zeros_like(offset), torch.zeros(values.shape)
-    open_blocks = torch.arange(len(values))
+    open_blocks = None  # None: every block (the first candidate runs on whole tensors, without gathering them)
     for candidate in candidates:
-        d, block, base = candidate[open_blocks], values[open_blocks], offset[open_blocks]
-        q = torch.where(d > 0, (block - base) / torch.where(d > 0, d, 1.0), 0.0).round().clamp(*codes_range)
+        d, block, base = (candidate, values, offset) if open_blocks is None else \
+            (candidate[open_blocks], values[open_blocks], offset[open_blocks])
+        positive = d > 0
+        ratio = (block - base) / d if bool(positive.all()) else \
+            torch.where(positive, (block - base) / torch.where(positive, d, 1.0), 0.0)
+        q = ratio.round().clamp(*codes_range)
         rebuilt = torch.addcmul(base, q, d)  # d·q is exact, so this is fma(q, d, offset)
         fits = (rebuilt.view(torch.int32) == block.view(torch.int32)).all(-1)
-        scale[open_blocks[fits]], codes[open_blocks[fits]] = d[fits], q[fits]
-        open_blocks = open_blocks[~fits]
+        if open_blocks is None and bool(fits.all()):
+            return d, q
+        if open_blocks is None:
+            scale, codes = torch.where(fits[:, None], d, 0.0), torch.where(fits[:, None], q, 0.0)
+            open_blocks = torch.nonzero(~fits).flatten()
+        else:
+            scale[open_blocks[fits]], codes[open_blocks[fits]] = d[fits], q[fits]
+            open_blocks = open_blocks[~fits]
         if not len(open_blocks):
             return scale, codes
     return None

@@ -90,6 +90,70 @@ def test_weights_without_the_form_are_refused():
     assert affine_form(codes * 0.125 - 1.0) is not None  # the same codes with a float16 scale
 
 
+def _reference_first_fit(values, exact, offset, codes_range):
+    """`affine_weights._first_fit` as it was written first: every candidate tried on the blocks still open, gathered
+    by index from the start, all blocks at once."""
+    values, offset, exact = (t.reshape(-1, *t.shape[2:]) for t in (values, offset, exact))
+    half = exact.to(torch.float16)
+    candidates = (half.float(), torch.nextafter(half, half.new_full((), float("inf"))).float(),
+                  torch.nextafter(half, half.new_zeros(())).float())
+    scale, codes = torch.zeros_like(offset), torch.zeros(values.shape)
+    open_blocks = torch.arange(len(values))
+    for candidate in candidates:
+        d, block, base = candidate[open_blocks], values[open_blocks], offset[open_blocks]
+        q = torch.where(d > 0, (block - base) / torch.where(d > 0, d, 1.0), 0.0).round().clamp(*codes_range)
+        fits = (torch.addcmul(base, q, d).view(torch.int32) == block.view(torch.int32)).all(-1)
+        scale[open_blocks[fits]], codes[open_blocks[fits]] = d[fits], q[fits]
+        open_blocks = open_blocks[~fits]
+        if not len(open_blocks):
+            return scale, codes
+    return None
+
+
+@pytest.mark.parametrize("chunk", [5, 64, affine_weights.FIT_CHUNK])
+def test_the_chunked_search_finds_the_reference_forms_bit_for_bit(chunk, monkeypatch):
+    """Chunk after chunk, with the first candidate on whole chunks, the search gives the very scales and codes of
+    the all-at-once search, zero blocks and blocks that need a float16 neighbour included, and refuses a weight
+    one of whose later chunks has no form."""
+    monkeypatch.setattr(affine_weights, "FIT_CHUNK", chunk)
+    weight = q4_1(torch.randn(40, 256, generator=torch.Generator().manual_seed(5)))
+    weight[3] = 0.0  # blocks of zeros: d = 0
+    seen = []
+    reference = affine_weights._first_fit
+    monkeypatch.setattr(affine_weights, "_first_fit", lambda *args: seen.append(
+        (_reference_first_fit(*args), reference(*args))) or seen[-1][1])
+    for case in (weight, q4_0(30, 128, 2), _needs_neighbours(64)):
+        assert affine_form(case) is not None
+    assert affine_weights.scaled_form(q8_0(torch.randn(30, 128))) is not None
+    for expected, found in seen:
+        assert all(_bits_equal(a, b) for a, b in zip(expected, found))
+    nudged = weight.clone()
+    nudged[39, 250] = torch.nextafter(nudged[39, 250], torch.tensor(float("inf")))  # in the last chunk
+    assert affine_form(nudged) is None and _reference_first_fit(*_search_inputs(nudged)) is None
+
+
+def _needs_neighbours(n: int) -> torch.Tensor:
+    """n rows of one block each, fma(q, d, 8.0) with float16 scales d near 2^-14: next to an offset of 8.0 the
+    block's rounded max - min strays so far from 15 d that for some blocks d is a float16 neighbour of the
+    nearest float16 to (max - min) / 15 — the later candidates are needed (checked)."""
+    generator = torch.Generator().manual_seed(0)
+    scales = (2.0 ** -14 * (1 + torch.randint(0, 1024, (n, 1), generator=generator) / 1024)).half().float()
+    codes = torch.randint(0, 16, (n, 32), generator=generator).float()
+    codes[:, 0], codes[:, 1] = 0, 15
+    weight = torch.addcmul(torch.full((n, 1), 8.0), codes, scales)
+    values, exact, _, _ = _search_inputs(weight)
+    assert (exact.to(torch.float16).float().reshape(n, 1) != scales).any()
+    return weight
+
+
+def _search_inputs(weight):
+    """`_first_fit`'s arguments for `affine_form(weight)`."""
+    n, k = weight.shape
+    values = weight.reshape(n, k // 32, 32)
+    low, high = values.amin(-1, keepdim=True), values.amax(-1, keepdim=True)
+    return values, (high.double() - low.double()) / affine_weights.LEVELS, low, (0, affine_weights.LEVELS)
+
+
 @pytest.mark.parametrize("weight", [q8_0(torch.randn(70, 96)), q8_0(torch.randn(5, 32) * 1e-4)], ids=["q8_0", "small"])
 def test_the_scaled_form_is_found_and_rebuilds_every_weight_bit_for_bit(weight):
     scales, codes = affine_weights.scaled_form(weight)
