@@ -60,8 +60,10 @@ def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sam
 
     text = read_prompt(prompt, sys.stdin)
     config = build_config(mode, knobs)
-    sampling = sampling_kwargs(sample, temperature, top_k, top_p)
-    draft = draft_choice(draft_path, draft_layers, mode)
+    sampling = sampling_kwargs(sample, temperature, top_k, top_p, knobs.get("seed"))
+    if compare and sample:
+        raise click.UsageError("--compare checks identity with plain greedy; drop --sample")
+    draft = draft_choice(draft_path, draft_layers, mode, knobs.get("draft_tokens"))
     placement = placement_kwargs(tp, device_map, offload_folder)
     run_generate(text, model_path, chat, max_new_tokens, config, stats, compare, sampling, draft, placement,
                  datastore=(datastore, datastore_tokens))

@@ -44,14 +44,16 @@ def _utf8(data: bytes, source: str) -> str:
                                    f"{exc.start}; pass UTF-8 text (e.g. convert with iconv)") from None
 
 
-def sampling_kwargs(sample: bool, temperature: float | None, top_k: int | None, top_p: float | None) -> dict:
+def sampling_kwargs(sample: bool, temperature: float | None, top_k: int | None, top_p: float | None,
+                    seed: int | None = None) -> dict:
     """`generate` kwargs for the sampling flags; raises `click.UsageError` for out-of-range values or
-    sampling flags given without --sample."""
+    sampling flags (a seed included: greedy output has nothing to seed) given without --sample."""
     given = {name: value for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
              if value is not None}
     if not sample:
-        if given:
-            raise click.UsageError(f"--{next(iter(given)).replace('_', '-')} needs --sample")
+        if given or seed is not None:
+            flag = next(iter(given)) if given else "seed"
+            raise click.UsageError(f"--{flag.replace('_', '-')} needs --sample")
         return {"do_sample": False}
     if temperature is not None and not (temperature >= MIN_TEMPERATURE and math.isfinite(temperature)):
         raise click.UsageError(f"--temperature must be finite and >= {MIN_TEMPERATURE}, got {temperature}")
@@ -116,12 +118,15 @@ def build_config(mode: str, knobs: dict) -> LookaheadConfig:
         raise click.UsageError(str(exc)) from exc
 
 
-def draft_choice(path: str | None, layers: int | None, mode: str) -> tuple[str, str | int] | None:
+def draft_choice(path: str | None, layers: int | None, mode: str,
+                 draft_tokens: int | None = None) -> tuple[str, str | int] | None:
     """("model", path), ("layers", n) or None from --draft-model / --draft-layers; raises `click.UsageError`
-    when both are given or when speculation is off."""
+    when both are given, when speculation is off, or when --draft-tokens is given without a draft model."""
     if path is not None and layers is not None:
         raise click.UsageError("--draft-model and --draft-layers exclude each other; pick one draft")
     if path is None and layers is None:
+        if draft_tokens is not None:
+            raise click.UsageError("--draft-tokens sets a draft model's chain: add --draft-model or --draft-layers")
         return None
     if mode == "off":
         raise click.UsageError("a draft model needs speculation: drop --mode off")

@@ -25,9 +25,12 @@ def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: 
     check_datastore(datastore[0], config)
     try:
         model, tokenizer = load_model(model_path, **(placement or {}))
-        draft_model = _load_draft(model, tokenizer, draft)
     except (ModelLoadError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
+    try:
+        draft_model = _load_draft(model, tokenizer, draft)
+    except (ModelLoadError, ValueError) as exc:
+        raise click.ClickException(f"draft model: {exc}") from exc
     input_ids = _encode(tokenizer, text, chat)
     _check_context(model, input_ids.shape[1], max_new_tokens)
     paths, max_tokens = datastore
@@ -42,9 +45,7 @@ def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: 
         raise click.ClickException(str(exc)) from exc
     if stats and speaks:
         click.echo(f"[lookahead] {decoder.last_stats.summary()}", err=True)
-    if compare:
-        if sampling["do_sample"]:
-            raise click.ClickException("--compare checks identity with plain greedy; drop --sample")
+    if compare:  # with greedy decoding only (`main.generate` refuses --compare --sample)
         again = Lookahead(config, draft_model=draft_model, shared_drafter=shared)  # fresh drafters, warm model
         _compare(model, input_ids, max_new_tokens, output, again, decoder.last_stats.total_time, speaks)
 

@@ -124,6 +124,28 @@ def test_bad_input_gives_one_line_error(args, stdin, message):
 
 
 @pytest.mark.parametrize("args, message", [
+    (["hi", "--seed", "3"], "--seed needs --sample"),  # greedy output has nothing to seed
+    (["hi", "--sample", "--seed", "3", "--compare"], "--compare checks identity with plain greedy; drop --sample"),
+    (["hi", "--draft-tokens", "4"], "--draft-tokens sets a draft model's chain: add --draft-model or --draft-layers"),
+])
+def test_flags_that_cannot_apply_are_refused_before_the_model_loads(monkeypatch, args, message):
+    import lookahead.cli.run
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(lookahead.cli.run, "run_generate", loads)
+    result = _run(*args)
+    assert result.exit_code == 2 and "Traceback" not in result.output and message in result.output
+
+
+def test_a_draft_model_that_cannot_load_is_named_as_the_draft(tiny_folder, tmp_path):
+    folder, _, _ = tiny_folder
+    result = _run("hi", "--model", str(folder), "--draft-model", str(tmp_path / "nope"), "--max-new-tokens", "2")
+    assert result.exit_code == 1 and result.stderr.strip().splitlines()[-1].startswith("Error: draft model: ")
+
+
+@pytest.mark.parametrize("args, message", [
     (["hi", "--max-new-tokens", "1000000000"], "--max-new-tokens: 1 prompt tokens + 1000000000 new tokens exceed "
                                                "the model's context of 1024 tokens (at most 1023 new tokens fit)"),
     (["hi", "--max-new-tokens", str(10**12)], f"--max-new-tokens: 1 prompt tokens + {10**12} new tokens exceed "
