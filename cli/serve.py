@@ -60,7 +60,7 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, context_length
     from lookahead.models import ModelLoadError, load_model
     from lookahead.server import ServerSettings, create_app, model_name_for
     from lookahead.server_guard import allowed_hosts_for, check_bind
-    from lookahead.server_http import run_server
+    from lookahead.server_http import listening_socket, run_server
     from lookahead.suffix_cache import SuffixCache
 
     config = build_config(mode, knobs)
@@ -74,22 +74,28 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, context_length
                                   request_timeout=request_timeout, cache_requests=cache_tokens > 0)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
     try:
-        model, tokenizer = load_model(model_path)
-    except ModelLoadError as exc:
+        sock = listening_socket(host, port)  # before the model loads: a busy port fails at once
+    except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
-    drafts_shared = cache_tokens > 0 and config.tree_budget > 0 and config.shared_candidates > 0
-    bound = cache_tokens + (datastore_tokens if datastore else 0)
-    cache = SuffixCache(max_tokens=bound) if drafts_shared or datastore else None
-    cache = open_datastore(datastore, tokenizer, datastore_tokens, cache)
-    app = create_app(model, tokenizer, settings, cache)
-    click.echo(f"lookahead serve: model {settings.model_name!r} at http://{host}:{port}/v1", err=True)
-    try:
-        run_server(app, host, port)
-    except KeyboardInterrupt:  # uvicorn usually re-raises Ctrl-C once its shutdown is complete ...
-        pass  # ... but asyncio's own SIGINT handler may swallow the re-raised signal: it returns normally then
+    with sock:  # closed however this ends (a model that fails to load included)
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        try:
+            model, tokenizer = load_model(model_path)
+        except ModelLoadError as exc:
+            raise click.ClickException(str(exc)) from exc
+        drafts_shared = cache_tokens > 0 and config.tree_budget > 0 and config.shared_candidates > 0
+        bound = cache_tokens + (datastore_tokens if datastore else 0)
+        cache = SuffixCache(max_tokens=bound) if drafts_shared or datastore else None
+        cache = open_datastore(datastore, tokenizer, datastore_tokens, cache)
+        app = create_app(model, tokenizer, settings, cache)
+        port = sock.getsockname()[1]  # the port bound (a free one for --port 0)
+        click.echo(f"lookahead serve: model {settings.model_name!r} at http://{host}:{port}/v1", err=True)
+        try:
+            run_server(app, host, port, sock=sock)
+        except KeyboardInterrupt:  # uvicorn usually re-raises Ctrl-C once its shutdown is complete ...
+            pass  # ... but asyncio's own SIGINT handler may swallow the re-raised signal: it returns normally then
     click.echo("lookahead serve: stopped", err=True)

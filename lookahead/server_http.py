@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import h11
 import uvicorn
@@ -121,6 +122,23 @@ def make_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, log_l
     return _Server(config, app.state.engine)
 
 
-def run_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `app` until interrupted (Ctrl-C); see `make_server`."""
-    make_server(app, host, port, log_level).run()
+def run_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+               sock: socket.socket | None = None) -> None:
+    """Serve `app` until interrupted (Ctrl-C); see `make_server`. `sock`: a socket already bound to host:port
+    (`listening_socket`), served instead of binding a new one."""
+    make_server(app, host, port, log_level).run(sockets=None if sock is None else [sock])
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (port 0: a free port, read it with `getsockname()`), for `run_server`;
+    binding before the model loads makes a busy port fail at once. Raises `ValueError` saying why it cannot bind."""
+    address = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses the port at once
+    try:
+        sock.bind((address, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock

@@ -189,6 +189,33 @@ def test_serve_refuses_unsafe_or_bad_options_before_loading(args, message):
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 
+def test_serve_on_a_busy_port_fails_before_the_model_loads(monkeypatch):
+    import socket
+
+    import lookahead.models
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(lookahead.models, "load_model", loads)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", "--port", str(port)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert f"Error: cannot listen on 127.0.0.1:{port}: " in result.output
+
+
+def test_listening_socket_binds_a_free_port_for_port_zero():
+    from lookahead.server_http import listening_socket
+
+    with listening_socket("127.0.0.1", 0) as sock:
+        assert sock.getsockname()[0] == "127.0.0.1" and sock.getsockname()[1] > 0
+    with pytest.raises(ValueError, match="cannot listen on 203.0.113.9:80"):  # not this machine's address
+        listening_socket("203.0.113.9", 80)
+
+
 def test_serve_help_tells_the_truth():
     text = " ".join(CliRunner().invoke(main, ["serve", "--help"]).output.split())  # click re-wraps lines
     assert "temperature > 0 are refused" not in text and "exact sampling with temperature > 0" in text
