@@ -65,6 +65,9 @@ class Lookahead:
         if cost_curve is not None and not isinstance(cost_curve, CostCurve):
             raise TypeError(f"cost_curve must be a lookahead CostCurve, got {type(cost_curve).__name__}")
         self.fixed_curve = cost_curve
+        if draft_model is not None and not callable(getattr(draft_model, "can_generate", None)):
+            raise TypeError("draft_model must be a loaded transformers causal LM (e.g. lookahead.load_model(path)[0]), "
+                            f"got {type(draft_model).__name__}")
         self.shared_drafter, self.draft_model = shared_drafter, draft_model
         if recycle_table is None and self.config.recycle_nodes:
             recycle_table = RecycleTable(self.config.recycle_k)

@@ -283,3 +283,8 @@ def test_a_fixed_cost_curve_replaces_the_measurement_and_the_timings(model, monk
     assert runs[0] == runs[1] and runs[0][1] > runs[0][0]  # the first step already verifies drafts
     with pytest.raises(TypeError, match="CostCurve"):
         Lookahead(cost_curve=[1.0, 1.1])
+
+
+def test_a_draft_model_that_is_not_a_model_is_refused_when_built():
+    with pytest.raises(TypeError, match="draft_model must be a loaded transformers causal LM.*got str"):
+        Lookahead(draft_model="path/to/draft")
