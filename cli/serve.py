@@ -57,11 +57,9 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, context_length
 
     Only this machine's clients by default: requests must name a loopback Host, browser pages of other origins
     are refused (see --allow-origin), and --api-key guards the rest."""
-    from lookahead.models import ModelLoadError, load_model
-    from lookahead.server import ServerSettings, create_app, model_name_for
+    from lookahead.server import ServerSettings, model_name_for
     from lookahead.server_guard import allowed_hosts_for, check_bind
     from lookahead.server_http import listening_socket, run_server
-    from lookahead.suffix_cache import SuffixCache
 
     config = build_config(mode, knobs)
     check_datastore(datastore, config)
@@ -79,19 +77,7 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, context_length
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     with sock:  # closed however this ends (a model that fails to load included)
-        if threads is not None:
-            import torch
-
-            torch.set_num_threads(threads)
-        try:
-            model, tokenizer = load_model(model_path)
-        except ModelLoadError as exc:
-            raise click.ClickException(str(exc)) from exc
-        drafts_shared = cache_tokens > 0 and config.tree_budget > 0 and config.shared_candidates > 0
-        bound = cache_tokens + (datastore_tokens if datastore else 0)
-        cache = SuffixCache(max_tokens=bound) if drafts_shared or datastore else None
-        cache = open_datastore(datastore, tokenizer, datastore_tokens, cache)
-        app = create_app(model, tokenizer, settings, cache)
+        app = _build_app(model_path, settings, threads, cache_tokens, datastore, datastore_tokens)
         port = sock.getsockname()[1]  # the port bound (a free one for --port 0)
         click.echo(f"lookahead serve: model {settings.model_name!r} at http://{host}:{port}/v1", err=True)
         try:
@@ -99,3 +85,28 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, context_length
         except KeyboardInterrupt:  # uvicorn usually re-raises Ctrl-C once its shutdown is complete ...
             pass  # ... but asyncio's own SIGINT handler may swallow the re-raised signal: it returns normally then
     click.echo("lookahead serve: stopped", err=True)
+
+
+def _build_app(model_path, settings, threads: int | None, cache_tokens: int, datastore: tuple[str, ...],
+               datastore_tokens: int):
+    """The server's app: the model loaded (on `threads` torch threads when given), the cross-request suffix cache
+    when requests or a datastore draft from it, the datastore read into it. Raises `click.ClickException` for a
+    model that cannot load."""
+    from lookahead.models import ModelLoadError, load_model
+    from lookahead.server import create_app
+    from lookahead.suffix_cache import SuffixCache
+
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    try:
+        model, tokenizer = load_model(model_path)
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from exc
+    config = settings.config
+    drafts_shared = cache_tokens > 0 and config.tree_budget > 0 and config.shared_candidates > 0
+    bound = cache_tokens + (datastore_tokens if datastore else 0)
+    cache = SuffixCache(max_tokens=bound) if drafts_shared or datastore else None
+    cache = open_datastore(datastore, tokenizer, datastore_tokens, cache)
+    return create_app(model, tokenizer, settings, cache)

@@ -131,7 +131,8 @@ def run_server(app: Starlette, host: str = "127.0.0.1", port: int = 8000, log_le
 
 def listening_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to `host`:`port` (port 0: a free port, read it with `getsockname()`), for `run_server`;
-    binding before the model loads makes a busy port fail at once. Raises `ValueError` saying why it cannot bind."""
+    binding before the model loads makes a busy port fail at once. Raises `ValueError` saying why it cannot bind
+    (uvicorn's own `Config.bind_socket` logs and exits the process instead)."""
     address = host.strip("[]")
     sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses the port at once
