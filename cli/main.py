@@ -11,6 +11,8 @@ from lookahead.cli.options import (arithmetic_options, build_config, datastore_o
                                    placement_kwargs, read_prompt, sampling_kwargs)
 from lookahead.cli.serve import serve
 
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="lookahead-decoding")
@@ -65,8 +67,12 @@ def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sam
         raise click.UsageError("--compare checks identity with plain greedy; drop --sample")
     draft = draft_choice(draft_path, draft_layers, mode, knobs.get("draft_tokens"))
     placement = placement_kwargs(tp, device_map, offload_folder)
-    run_generate(text, model_path, chat, max_new_tokens, config, stats, compare, sampling, draft, placement,
-                 datastore=(datastore, datastore_tokens))
+    try:
+        run_generate(text, model_path, chat, max_new_tokens, config, stats, compare, sampling, draft, placement,
+                     datastore=(datastore, datastore_tokens))
+    except KeyboardInterrupt:  # the tokens streamed so far stay printed; exit as shells expect after Ctrl-C
+        click.echo("\nlookahead: interrupted", err=True)
+        raise click.exceptions.Exit(INTERRUPTED_EXIT) from None
 
 
 main.add_command(serve)

@@ -156,7 +156,8 @@ def _converted_folder(gguf: Path) -> Path:
     folder = cache_dir() / "models" / f"{gguf.stem}-{key}"
     if (folder / "config.json").exists():
         return folder
-    print(f"lookahead: converting {gguf.name} once (about 30 s); cached in {folder}", file=sys.stderr)
+    _check_gguf_magic(gguf)
+    print(f"lookahead: converting {gguf.name} once (a few seconds); cached in {folder}", file=sys.stderr)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -174,6 +175,14 @@ def _converted_folder(gguf: Path) -> Path:
     tokenizer.save_pretrained(partial)
     _publish(partial, folder)
     return folder
+
+
+def _check_gguf_magic(gguf: Path) -> None:
+    """Raise `ModelLoadError` unless `gguf` starts with the GGUF magic bytes (before any conversion is announced)."""
+    with open(gguf, "rb") as handle:
+        magic = handle.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"not a GGUF file (it does not start with the GGUF magic bytes): {gguf}")
 
 
 def _publish(partial: Path, folder: Path) -> None:

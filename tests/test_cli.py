@@ -139,6 +139,18 @@ def test_flags_that_cannot_apply_are_refused_before_the_model_loads(monkeypatch,
     assert result.exit_code == 2 and "Traceback" not in result.output and message in result.output
 
 
+def test_ctrl_c_during_a_generation_exits_130_with_one_line(monkeypatch):
+    import lookahead.cli.run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lookahead.cli.run, "run_generate", interrupted)
+    result = _run("hi")
+    assert result.exit_code == 130 and "Traceback" not in result.output and "Aborted" not in result.output
+    assert result.stderr.strip() == "lookahead: interrupted"
+
+
 def test_a_draft_model_that_cannot_load_is_named_as_the_draft(tiny_folder, tmp_path):
     folder, _, _ = tiny_folder
     result = _run("hi", "--model", str(folder), "--draft-model", str(tmp_path / "nope"), "--max-new-tokens", "2")

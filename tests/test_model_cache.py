@@ -1,8 +1,9 @@
-"""The model cache's publishing step: two processes converting the default model at once must both succeed."""
+"""The model cache: two processes converting the default model at once must both succeed; a file that is not GGUF
+is refused before any conversion is announced."""
 
 import pytest
 
-from lookahead.models import _publish
+from lookahead.models import ModelLoadError, _publish, load_model
 
 
 def _finished(path, marker: str):
@@ -33,3 +34,13 @@ def test_publish_does_not_hide_a_real_failure(tmp_path):
     with pytest.raises(OSError):
         _publish(partial, tmp_path / "model")
     assert partial.exists()
+
+
+def test_a_gguf_name_without_gguf_content_is_refused_before_converting(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+    fake = tmp_path / "notes.gguf"
+    fake.write_bytes(b"this is text, not a model")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(fake)
+    assert "converting" not in capsys.readouterr().err
+    assert not (tmp_path / "cache" / "models").exists()
