@@ -159,7 +159,8 @@ def chosen_row_kernels(model, config: LookaheadConfig, refresh: bool = False) ->
         return pinned
     measured = row_kernels_for(model, refresh=refresh)
     return RowKernels(measured.default_rows if config.default_matmul_rows is None else pinned.default_rows,
-                      measured.streamed_rows if config.streamed_matmul_rows is None else pinned.streamed_rows)
+                      measured.streamed_rows if config.streamed_matmul_rows is None else pinned.streamed_rows,
+                      measured.large)
 
 
 def _pad_token(config: GenerationConfig) -> int | None:

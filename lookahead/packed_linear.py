@@ -18,9 +18,10 @@ three, by row count (`set_default_rows`, `set_streamed_rows`; measured per model
 (exactly as the model's own linear layers compute them; MKL is quick for 1–3 rows on some Intel CPUs), up to
 `streamed_rows` rows the streamed kernel (`streamed_gemm`: the weights streamed once for all the rows), larger
 products (a prompt's prefill) the oneDNN-packed weight — or, when the streamed kernel computes the small products,
-PyTorch's default matmul again: oneDNN's layout then is never built, which saves a full copy of the weights (the
-default model: 540 MB) and its packing time, for prefills within ±5% of oneDNN's time (measured here on 40–900
-tokens). Each layout is built on first use.
+PyTorch's default matmul or oneDNN on the layers' own weights (`set_large_kernel`, measured too): oneDNN's layout
+then is never built, which saves a full copy of the weights (the default model: 540 MB) and its packing time. (On
+the Intel machine the default matmul's prefills took within ±5% of oneDNN's time; on an AMD Zen 5 CPU, where MKL
+runs its AVX2 code, oneDNN's unpacked product took ~0.45x of its time.) Each layout is built on first use.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from . import affine_weights, streamed_gemm
 _CACHE_ATTR = "_lookahead_packed_linears"
 # Sibling projections of one block that transformers' decoder layers call on the same input tensor.
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+LARGE_KERNELS = ("default", "onednn")  # what computes products above the streamed kernel's rows
 
 
 def packing_available(model: nn.Module) -> bool:
@@ -68,6 +70,7 @@ def packed_linears(model: nn.Module, enabled: bool = True, compact: bool = True)
         model._lookahead_packed_on = False
         set_default_rows(model, 0)
         set_streamed_rows(model, 0)
+        set_large_kernel(model, "default")
 
 
 def set_default_rows(model: nn.Module, rows: int) -> None:
@@ -93,6 +96,17 @@ def set_streamed_rows(model: nn.Module, rows: int) -> None:
     for packed in packed_weights(model):
         packed.streamed_rows = rows
     model._lookahead_streamed_rows = rows
+
+
+def set_large_kernel(model: nn.Module, kernel: str) -> None:
+    """Products above the streamed kernel's rows of `model`'s packed linear layers (a prefill) run PyTorch's
+    default matmul (`"default"`) or oneDNN on the layers' own weights (`"onednn"`); recorded as
+    `model._lookahead_large_kernel`. Raises `ValueError` for another name."""
+    if kernel not in LARGE_KERNELS:
+        raise ValueError(f"the large-product kernel must be one of {LARGE_KERNELS}, got {kernel!r}")
+    for packed in packed_weights(model):
+        packed.large = kernel
+    model._lookahead_large_kernel = kernel
 
 
 def set_compact_weights(model: nn.Module, compact: bool) -> None:
@@ -168,6 +182,7 @@ class _PackedWeights:
         self.derived_layouts: dict = {}  # layouts other modules build from these weights (`derived`)
         self.default_rows = 0  # products of at most this many rows use the linears' own weights
         self.streamed_rows = 0  # products of more rows, up to this many, use the streamed kernel
+        self.large = "default"  # above them (the streamed kernel in use): "default" matmul or "onednn" unpacked
         self.compact = True  # streamed panels in the weights' exact block form where they have one
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -230,15 +245,16 @@ def _stamp(parameters: list[dict]) -> list[tuple[int, int]]:
 def _linear(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
     """x [..., K] → [..., N]: for at most `packed.default_rows` rows with PyTorch's default matmul
     (`default_product`), for at most `packed.streamed_rows` with the streamed kernel (`streamed_product`), else
-    on the oneDNN-packed weight (`packed_product`) — or the default matmul when the streamed kernel is in use, so
-    that oneDNN's copy of the weights is never made (see the module docstring)."""
+    on the oneDNN-packed weight (`packed_product`) — or, when the streamed kernel is in use, the default matmul or
+    oneDNN on the layers' own weights (`packed.large`), so that oneDNN's copy of the weights is never made (see the
+    module docstring)."""
     rows = x.numel() // x.shape[-1]
     if rows <= packed.default_rows:
         return default_product(x, packed)
     if rows <= packed.streamed_rows:
         return streamed_product(x, packed)
     if packed.streamed_rows:
-        return default_product(x, packed)
+        return onednn_product(x, packed) if packed.large == "onednn" else default_product(x, packed)
     return packed_product(x, packed)
 
 
@@ -254,6 +270,16 @@ def packed_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
     """x [..., K] → [..., N] on the packed weight (oneDNN)."""
     weight, bias = packed.get()
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def onednn_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
+    """x [..., K] → [..., N]: each source linear's own weight through oneDNN's product, unpacked (no copy of the
+    weights is kept; a prompt's prefill on CPUs where MKL's default matmul takes a slower path, measured by
+    `row_kernels`), outputs side by side as the packed weight stacks them."""
+    outputs = [torch.ops.mkldnn._linear_pointwise(x, linear.weight.detach(),
+                                                  None if linear.bias is None else linear.bias.detach(),
+                                                  "none", [], "") for linear in packed.linears]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 
 def default_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:

@@ -7,8 +7,9 @@ prefill use without the streamed kernel). Which is faster for k rows depends on 
 packed weight's product of k random rows on each kernel, kernels and row counts interleaved, a low quantile per
 kernel.
 The answer is two row counts (`RowKernels`): up to `default_rows` rows the default matmul, up to `streamed_rows`
-the streamed kernel, above that oneDNN — or the default matmul when the streamed kernel is used at all (no copy of
-the weights in oneDNN's layout then; `packed_linear`). So where the streamed kernel is available it is weighed
+the streamed kernel, above that oneDNN — or, when the streamed kernel is used at all, the default matmul or oneDNN
+on the layers' own weights, whichever a product of LARGE_PROBE rows measured faster (`large`; no copy of the
+weights in oneDNN's layout then; `packed_linear`). So where the streamed kernel is available it is weighed
 against the default matmul, the kernel that computes what it declines, and oneDNN is neither timed nor built;
 only when it wins at no row count is the choice measured again between the default matmul and oneDNN. The
 choice is cached in memory and on disk beside the cost curve, per model and machine (only the linear products
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -35,17 +36,22 @@ MEASURE_BUDGET = 3.0  # seconds the timed rounds may take (at least 2 rounds)
 # Part of the cache key: choices measured by an earlier rule are measured again (2: the streamed kernel is weighed
 # against the default matmul, no longer against oneDNN; 3: the streamed kernel computes any row count in one pass
 # over the weights, probed up to 64 rows; 4: the streamed kernel may stream weights in their exact block form;
-# 5: several panels at once for few rows, AVX2 register tiles for 4-bit blocks).
-CHOICE_VERSION = 5
+# 5: several panels at once for few rows, AVX2 register tiles for 4-bit blocks;
+# 6: products above the streamed kernel's rows weighed between the default matmul and unpacked oneDNN).
+CHOICE_VERSION = 6
+LARGE_PROBE = 128  # rows of the product (a short prompt's prefill) that decides the kernel above the streamed rows
+LARGE_ROUNDS = 3  # timed rounds of that product on each kernel
 
 
 @dataclass(frozen=True)
 class RowKernels:
     """Products of at most `default_rows` rows run PyTorch's default matmul, of at most `streamed_rows` rows the
-    streamed kernel, larger ones oneDNN's prepacked product (the default matmul when `streamed_rows` > 0)."""
+    streamed kernel, larger ones oneDNN's prepacked product (when `streamed_rows` > 0: the kernel `large` names,
+    the default matmul or oneDNN on the layers' own weights)."""
 
     default_rows: int = 0
     streamed_rows: int = 0
+    large: str = "default"
 
     def describe(self) -> str:
         """One line for the user: which kernel computes which row counts."""
@@ -58,17 +64,19 @@ class RowKernels:
             parts.append(f"{span} rows on the streamed kernel")
         if not parts:
             return "all products on oneDNN's packed weights"
-        larger = "PyTorch's default matmul" if self.streamed_rows else "oneDNN's packed weights"
+        larger = {"default": "PyTorch's default matmul", "onednn": "oneDNN (unpacked)"}[self.large]
+        larger = larger if self.streamed_rows else "oneDNN's packed weights"
         return ", ".join(parts) + f", more on {larger}"
 
 
 def apply_row_kernels(model, kernels: RowKernels) -> None:
     """Set `kernels` on every packed linear layer of `model` (inside `packed_linear.packed_linears`). Raises
     `ValueError` for negative counts or streamed rows where the streamed kernel is not available."""
-    from .packed_linear import set_default_rows, set_streamed_rows
+    from .packed_linear import set_default_rows, set_large_kernel, set_streamed_rows
 
     set_default_rows(model, kernels.default_rows)
     set_streamed_rows(model, kernels.streamed_rows)
+    set_large_kernel(model, kernels.large)
 
 
 def row_kernels_for(model, refresh: bool = False, quiet: bool = False) -> RowKernels:
@@ -102,8 +110,10 @@ def _read(path, streamed: bool) -> RowKernels | None:
     kernel where it is not available."""
     try:
         data = json.loads(path.read_text())
-        found = RowKernels(data["default_rows"], data["streamed_rows"])
+        found = RowKernels(data["default_rows"], data["streamed_rows"], data["large"])
     except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if found.large not in ("default", "onednn"):
         return None
     counts_ok = all(isinstance(n, int) for n in (found.default_rows, found.streamed_rows))
     if not counts_ok or not 0 <= found.default_rows <= MAX_DEFAULT_ROWS:
@@ -146,7 +156,22 @@ def measure_row_kernels(model, repeats: int = 7, budget_seconds: float = MEASURE
     chosen = _choose_streamed(low)
     if not chosen.streamed_rows:
         return measure_row_kernels(model, repeats, budget_seconds, streamed=False)
-    return chosen
+    return replace(chosen, large=_choose_large(weights, budget_seconds))
+
+
+def _choose_large(weights, budget_seconds: float) -> str:
+    """"onednn" when oneDNN's product on the layers' own weights needs at most KERNEL_MARGIN of the default
+    matmul's time for LARGE_PROBE rows of every weight (low quantile of up to LARGE_ROUNDS rounds after a warm-up:
+    as many as fit `budget_seconds` by the warm-up's time, at least one), else "default"."""
+    plan = [(LARGE_PROBE, "default"), (LARGE_PROBE, "onednn")]
+    times = {entry: [] for entry in plan}
+    start = time.perf_counter()
+    _time_round(weights, plan, {entry: [] for entry in plan})
+    warm_up = max(time.perf_counter() - start, 1e-9)
+    for _ in range(max(1, min(LARGE_ROUNDS, int(budget_seconds / warm_up)))):
+        _time_round(weights, plan, times)
+    low = {entry: float(np.quantile(seconds, CURVE_QUANTILE)) for entry, seconds in times.items()}
+    return "onednn" if low[LARGE_PROBE, "onednn"] <= KERNEL_MARGIN * low[LARGE_PROBE, "default"] else "default"
 
 
 def _plan(streamed: bool) -> list[tuple[int, str]]:
@@ -183,7 +208,7 @@ def _time_round(weights, plan: list[tuple[int, str]], times: dict) -> None:
     from . import packed_linear
 
     kernels = {"default": packed_linear.default_product, "packed": packed_linear.packed_product,
-               "streamed": packed_linear.streamed_product}
+               "streamed": packed_linear.streamed_product, "onednn": packed_linear.onednn_product}
     for rows in sorted({r for r, _ in plan}):
         inputs = [torch.randn(rows, w.linears[0].in_features, dtype=torch.float32) for w in weights]
         for name in [n for r, n in plan if r == rows]:

@@ -31,11 +31,11 @@ def tiny_model():
 # `lookahead.calibration` functions directly.
 INJECTED_CURVE = CostCurve(CURVE_SIZES, (1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.7, 2.0, 2.6, 3.2), 0.05)
 # ... and products of one or two rows run PyTorch's default matmul, 3–5 rows the streamed kernel, larger ones
-# the default matmul again (the streamed kernel is in use, so no oneDNN copy is made), so both kernels compute in
-# generations that speculate (a machine where the streamed kernel cannot be built skips it, and products of 3+
-# rows run oneDNN's packed weights there; `test_streamed_gemm` fails there if the CPU has FMA). Tests that pin
-# `streamed_matmul_rows=0` run oneDNN.
-INJECTED_ROW_KERNELS = row_kernels.RowKernels(2, 5 if streamed_gemm.available() else 0)
+# oneDNN on the layers' own weights (the streamed kernel is in use, so no oneDNN copy is made; prefills take it), so
+# every kernel computes in generations that speculate (a machine where the streamed kernel cannot be built skips
+# it, and products of 3+ rows run oneDNN's packed weights there; `test_streamed_gemm` fails there if the CPU has
+# FMA). Tests that pin `streamed_matmul_rows=0` run oneDNN's packed weights.
+INJECTED_ROW_KERNELS = row_kernels.RowKernels(2, 5 if streamed_gemm.available() else 0, "onednn")
 
 
 @pytest.fixture(autouse=True)

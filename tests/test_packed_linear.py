@@ -137,6 +137,33 @@ def test_with_the_streamed_kernel_no_onednn_copy_of_the_weights_is_made():
 
 
 @needs_streamed
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_above_the_streamed_rows_run_unpacked_onednn_when_chosen(monkeypatch, bias):
+    """A prefill-sized product of fused siblings on oneDNN with the layers' own weights: each linear's output, the
+    default matmul never called and no oneDNN copy of the weights made; a bad kernel name is refused."""
+    import lookahead.packed_linear as packed_linear
+
+    torch.manual_seed(7)
+    linears = [nn.Linear(32, n, bias=bias) for n in (48, 16)]
+    group = FusedGroup(linears)
+    group.packed.streamed_rows, group.packed.large = 4, "onednn"
+    members = [FusedMember(group, i) for i in range(2)]
+    x = torch.randn(1, 40, 32)
+    expected = [linear(x) for linear in linears]
+    monkeypatch.setattr(packed_linear, "default_product", lambda x, packed: pytest.fail("default matmul called"))
+    for i in (0, 1):
+        torch.testing.assert_close(members[i](x), expected[i], rtol=1e-5, atol=1e-5)
+    assert group.packed.weight is None
+    model = nn.Sequential(nn.Linear(8, 8))
+    with packed_linears(model):
+        packed_linear.set_large_kernel(model, "onednn")
+        assert packed_weights(model)[0].large == "onednn"
+        with pytest.raises(ValueError, match="large-product kernel"):
+            packed_linear.set_large_kernel(model, "mkl")
+    assert model._lookahead_large_kernel == "default"  # the swap resets it
+
+
+@needs_streamed
 def test_the_streamed_layout_follows_in_place_changes_and_fused_siblings_get_their_slices():
     torch.manual_seed(5)
     linears = [nn.Linear(32, n, bias=True) for n in (32, 16, 16)]

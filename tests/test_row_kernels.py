@@ -42,7 +42,7 @@ class _FakeClock:
 
 
 def _measure(monkeypatch, ms: dict, streamed: bool = True, **kwargs) -> tuple[RowKernels, _FakeClock]:
-    clock = _FakeClock(ms)
+    clock = _FakeClock({"onednn": ms["default"], **ms})  # unpacked oneDNN ties with the default matmul unless given
     clock.install(monkeypatch)
     monkeypatch.setattr(streamed_gemm, "available", lambda: streamed)
     model = build_tiny_model("llama", dtype=torch.float32)
@@ -90,6 +90,23 @@ def test_a_streamed_kernel_that_never_wins_hands_the_choice_to_the_default_matmu
     assert clock.calls["packed"] > 0
 
 
+@pytest.mark.parametrize("onednn_ms, expected", [(lambda r: 0.5 * r, "onednn"), (lambda r: 0.97 * r, "default"),
+                                                 (lambda r: 2.0 * r, "default")])
+def test_products_above_the_streamed_rows_take_unpacked_onednn_where_it_clearly_beats_the_default_matmul(
+        monkeypatch, onednn_ms, expected):
+    found, clock = _measure(monkeypatch, {"default": lambda r: 1.0 * r, "packed": ONEDNN, "streamed": STREAM_FAST,
+                                          "onednn": onednn_ms}, repeats=2)
+    assert found == RowKernels(1, TOP, expected)
+    assert clock.calls["onednn"] == (1 + row_kernels.LARGE_ROUNDS) * WEIGHTS  # a warm-up and the timed rounds
+    assert clock.calls["packed"] == 0
+
+
+def test_without_the_streamed_kernel_unpacked_onednn_is_not_timed(monkeypatch):
+    found, clock = _measure(monkeypatch, {"default": lambda r: 1.0, "packed": ONEDNN, "streamed": STREAM_FAST,
+                                          "onednn": lambda r: 0.1}, streamed=False, repeats=2)
+    assert found == RowKernels(4, 0) and clock.calls["onednn"] == 0
+
+
 def test_nothing_packable_measures_nothing():
     assert measure_row_kernels(build_tiny_model("llama", dtype=torch.float64)) == RowKernels()
 
@@ -100,7 +117,8 @@ def test_a_model_that_streams_slowly_gets_fewer_rounds(monkeypatch):
                             budget_seconds=3.0)
     assert found == RowKernels(0, TOP)  # a tie: the streamed kernel keeps its rows
     rows = len(set(range(1, row_kernels.MAX_DEFAULT_ROWS + 1)) | set(row_kernels.STREAMED_PROBES))
-    assert clock.calls["default"] == (1 + 2) * rows * WEIGHTS  # the warm-up and the minimum of 2 timed rounds, not 7
+    assert clock.calls["default"] == (1 + 2) * rows * WEIGHTS + (1 + 1) * WEIGHTS  # the warm-up and the minimum of
+    # 2 timed rounds, not 7; for the large product a warm-up and 1 round, not LARGE_ROUNDS
 
 
 def test_row_kernels_for_caches_on_disk_and_in_memory_and_keys_the_curve(tmp_path, monkeypatch):
@@ -118,8 +136,9 @@ def test_row_kernels_for_caches_on_disk_and_in_memory_and_keys_the_curve(tmp_pat
         assert row_kernels_for(model, refresh=True, quiet=True) == RowKernels(3, 16) and len(calls) == 2
         files = list((tmp_path / "cost").glob("*-row-kernels.json"))
         assert len(files) == 1
-        for bad in ('{"default_rows": -4, "streamed_rows": 0}', '{"default_rows": 1}', "not json",
-                    '{"default_rows": 1, "streamed_rows": 99}'):
+        for bad in ('{"default_rows": -4, "streamed_rows": 0, "large": "default"}', '{"default_rows": 1}', "not json",
+                    '{"default_rows": 1, "streamed_rows": 99, "large": "default"}',
+                    '{"default_rows": 1, "streamed_rows": 16}', '{"default_rows": 1, "streamed_rows": 16, "large": 3}'):
             files[0].write_text(bad)  # unreadable or out of range: measured again
             monkeypatch.setattr(row_kernels, "_MEMORY", {})
             before = len(calls)
@@ -135,10 +154,10 @@ def test_row_kernels_for_caches_on_disk_and_in_memory_and_keys_the_curve(tmp_pat
 
 def test_a_cached_streamed_choice_is_not_used_where_the_kernel_is_missing(tmp_path):
     path = tmp_path / "k.json"
-    path.write_text('{"default_rows": 1, "streamed_rows": 16}')
-    assert row_kernels._read(path, streamed=True) == RowKernels(1, 16)
+    path.write_text('{"default_rows": 1, "streamed_rows": 16, "large": "onednn"}')
+    assert row_kernels._read(path, streamed=True) == RowKernels(1, 16, "onednn")
     assert row_kernels._read(path, streamed=False) is None
-    path.write_text('{"default_rows": 1, "streamed_rows": 0}')
+    path.write_text('{"default_rows": 1, "streamed_rows": 0, "large": "default"}')
     assert row_kernels._read(path, streamed=False) == RowKernels(1, 0)
 
 
@@ -148,3 +167,6 @@ def test_describe_names_each_kernel_and_its_rows():
     assert RowKernels(0, 16).describe() == "1–16 rows on the streamed kernel, more on PyTorch's default matmul"
     assert RowKernels(2, 3).describe() == ("up to 2 rows on PyTorch's default matmul, 3 rows on the streamed kernel, "
                                            "more on PyTorch's default matmul")
+    assert RowKernels(0, 64, "onednn").describe() == "1–64 rows on the streamed kernel, more on oneDNN (unpacked)"
+    assert RowKernels(2, 0, "onednn").describe() == ("up to 2 rows on PyTorch's default matmul, more on oneDNN's "
+                                                     "packed weights")
