@@ -27,6 +27,7 @@ import torch
 
 from .calibration import CURVE_QUANTILE, digest, model_parts, say
 from .distributed import is_leader, leader_value
+from .packed_linear import LARGE_KERNELS
 from .paths import cache_dir
 
 MAX_DEFAULT_ROWS = 4  # the default matmul is tried for products of 1..this many rows
@@ -113,7 +114,7 @@ def _read(path, streamed: bool) -> RowKernels | None:
         found = RowKernels(data["default_rows"], data["streamed_rows"], data["large"])
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    if found.large not in ("default", "onednn"):
+    if found.large not in LARGE_KERNELS:
         return None
     counts_ok = all(isinstance(n, int) for n in (found.default_rows, found.streamed_rows))
     if not counts_ok or not 0 <= found.default_rows <= MAX_DEFAULT_ROWS:
@@ -142,15 +143,7 @@ def measure_row_kernels(model, repeats: int = 7, budget_seconds: float = MEASURE
     if not weights:
         return RowKernels()
     streamed = streamed_gemm.available() if streamed is None else streamed and streamed_gemm.available()
-    plan = _plan(streamed)
-    times = {entry: [] for entry in plan}
-    _time_round(weights, plan, {entry: [] for entry in plan})  # warm-up: builds the layouts, first calls
-    start = time.perf_counter()
-    _time_round(weights, plan, times)
-    rounds = max(2, min(repeats, int(budget_seconds / max(time.perf_counter() - start, 1e-9))))
-    for _ in range(rounds - 1):
-        _time_round(weights, plan, times)
-    low = {entry: float(np.quantile(seconds, CURVE_QUANTILE)) for entry, seconds in times.items()}
+    low = _low_times(weights, _plan(streamed), repeats, budget_seconds, least=2)
     if not streamed:
         return RowKernels(_default_rows(low, "packed"), 0)
     chosen = _choose_streamed(low)
@@ -162,16 +155,25 @@ def measure_row_kernels(model, repeats: int = 7, budget_seconds: float = MEASURE
 def _choose_large(weights, budget_seconds: float) -> str:
     """"onednn" when oneDNN's product on the layers' own weights needs at most KERNEL_MARGIN of the default
     matmul's time for LARGE_PROBE rows of every weight (low quantile of up to LARGE_ROUNDS rounds after a warm-up:
-    as many as fit `budget_seconds` by the warm-up's time, at least one), else "default"."""
-    plan = [(LARGE_PROBE, "default"), (LARGE_PROBE, "onednn")]
-    times = {entry: [] for entry in plan}
-    start = time.perf_counter()
-    _time_round(weights, plan, {entry: [] for entry in plan})
-    warm_up = max(time.perf_counter() - start, 1e-9)
-    for _ in range(max(1, min(LARGE_ROUNDS, int(budget_seconds / warm_up)))):
-        _time_round(weights, plan, times)
-    low = {entry: float(np.quantile(seconds, CURVE_QUANTILE)) for entry, seconds in times.items()}
+    as many as fit `budget_seconds`, at least one), else "default"."""
+    low = _low_times(weights, [(LARGE_PROBE, "default"), (LARGE_PROBE, "onednn")], LARGE_ROUNDS, budget_seconds,
+                     least=1)
     return "onednn" if low[LARGE_PROBE, "onednn"] <= KERNEL_MARGIN * low[LARGE_PROBE, "default"] else "default"
+
+
+def _low_times(weights, plan: list[tuple[int, str]], repeats: int, budget_seconds: float,
+               least: int) -> dict[tuple[int, str], float]:
+    """The low-quantile seconds of each (rows, kernel) of `plan` over timed rounds after a warm-up round (which
+    builds the layouts and makes the first calls): `repeats` rounds, fewer (at least `least`) when the first timed
+    one shows that they would take longer than `budget_seconds`."""
+    times = {entry: [] for entry in plan}
+    _time_round(weights, plan, {entry: [] for entry in plan})
+    start = time.perf_counter()
+    _time_round(weights, plan, times)
+    rounds = max(least, min(repeats, int(budget_seconds / max(time.perf_counter() - start, 1e-9))))
+    for _ in range(rounds - 1):
+        _time_round(weights, plan, times)
+    return {entry: float(np.quantile(seconds, CURVE_QUANTILE)) for entry, seconds in times.items()}
 
 
 def _plan(streamed: bool) -> list[tuple[int, str]]:
