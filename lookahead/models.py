@@ -94,7 +94,7 @@ def _placement(tp_plan, device_map, offload_folder) -> dict:
         if "WORLD_SIZE" not in os.environ:
             raise ModelLoadError("tensor parallelism (tp_plan) needs a torchrun launch, e.g. "
                                  "`torchrun --nproc-per-node 2 -m lookahead.cli generate --tp ...`")
-        placement["tp_plan"] = tp_plan
+        placement.update(_tensor_parallel_kwargs(tp_plan))
     if device_map is not None:
         placement["device_map"] = device_map
     if offload_folder is not None:
@@ -102,6 +102,24 @@ def _placement(tp_plan, device_map, offload_folder) -> dict:
             raise ModelLoadError("offload_folder needs a device_map that puts layers on \"disk\"")
         placement["offload_folder"] = str(offload_folder)
     return placement
+
+
+def _tensor_parallel_kwargs(tp_plan) -> dict:
+    """`from_pretrained` keyword arguments for the tensor-parallel plan `tp_plan`: inside a `DistributedConfig`
+    where transformers has one (passing `tp_plan` itself is deprecated there), else as `tp_plan`."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return {"tp_plan": tp_plan}
+    return {"distributed_config": DistributedConfig(tp_plan=tp_plan)}
+
+
+def _check_split(config, size: int) -> None:
+    """`check_head_split` as a `ModelLoadError`."""
+    try:
+        check_head_split(config, size)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def default_model_folder() -> Path:
@@ -199,17 +217,19 @@ def _publish(partial: Path, folder: Path) -> None:
 def _load_folder(folder: Path, dtype: torch.dtype, placement: dict | None = None):
     """Load model and tokenizer from a Hugging Face folder, as `(model, tokenizer)` in eval mode; `placement`
     (see `_placement`) goes to `from_pretrained`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    sharded = bool(set(placement or {}) & {"tp_plan", "distributed_config"})
     try:
+        if sharded:  # refuse a head count the ranks cannot split before any weight is read
+            _check_split(AutoConfig.from_pretrained(folder), int(os.environ.get("WORLD_SIZE", "1")))
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **(placement or {}))
         tokenizer = AutoTokenizer.from_pretrained(folder)
+    except ModelLoadError:
+        raise
     except Exception as exc:  # config, weight, tokenizer and sharding errors come in many types
         raise ModelLoadError(f"could not load model from {folder}: {exc}") from exc
-    if (placement or {}).get("tp_plan") is not None:
-        try:
-            check_head_split(model.config, int(getattr(model, "tp_size", None) or 1))
-        except ValueError as exc:
-            raise ModelLoadError(str(exc)) from None
+    if sharded:
+        _check_split(model.config, int(getattr(model, "tp_size", None) or 1))
     model.eval()
     return model, tokenizer

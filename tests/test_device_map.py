@@ -74,6 +74,36 @@ def test_placement_errors_are_clear(folder, monkeypatch):
         load_model(folder, offload_folder="/tmp/x")
 
 
+def test_tensor_parallel_plan_goes_in_a_distributed_config(monkeypatch):
+    """transformers deprecates `tp_plan=` in `from_pretrained` (a FutureWarning on every rank): the plan is
+    passed inside `DistributedConfig`."""
+    from transformers.distributed import DistributedConfig
+
+    from lookahead import models
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    placement = models._placement("auto", None, None)
+    assert set(placement) == {"distributed_config"}
+    assert isinstance(placement["distributed_config"], DistributedConfig)
+    assert placement["distributed_config"].tp_plan == "auto"
+
+
+def test_heads_the_ranks_cannot_split_are_refused_before_loading(tmp_path, monkeypatch):
+    """3 key/value heads over 2 ranks: one clear error before any weight is read (not after the load)."""
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_model("llama", dtype=torch.float32, layers=1, num_attention_heads=6, num_key_value_heads=3,
+                     hidden_size=48).save_pretrained(tmp_path)
+    word_tokenizer(64).save_pretrained(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("weights loaded before the head split was checked")
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_load)
+    with pytest.raises(ModelLoadError, match="3 key/value heads\\) cannot be split over 2 tensor-parallel ranks"):
+        load_model(tmp_path, tp_plan="auto")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tp"], "torchrun"),
     (["--device-map", "everywhere"], "--device-map: expected"),

@@ -99,6 +99,7 @@ def test_cli_tp_prints_once_what_plain_greedy_does(tp_run):
                       "--compare", "w5 w6 w7 w8 w5 w6 w7"], env)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stderr.count("outputs identical: yes") == 1
+    assert "FutureWarning" not in done.stderr  # the plan goes in a DistributedConfig, not as deprecated tp_plan=
     assert len(done.stdout.strip().splitlines()) == 1 and len(done.stdout.split()) == 12
 
 
