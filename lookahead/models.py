@@ -175,7 +175,8 @@ def _converted_folder(gguf: Path) -> Path:
     if (folder / "config.json").exists():
         return folder
     _check_gguf_magic(gguf)
-    print(f"lookahead: converting {gguf.name} once (~15 s); cached in {folder}", file=sys.stderr)
+    print(f"lookahead: converting {gguf.name} once (its size and vocabulary decide how long: ~15 s for the default "
+          f"model); cached in {folder}", file=sys.stderr)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
