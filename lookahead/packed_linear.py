@@ -276,16 +276,20 @@ def onednn_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
     """x [..., K] → [..., N]: each source linear's own weight through oneDNN's product, unpacked (no copy of the
     weights is kept; a prompt's prefill on CPUs where MKL's default matmul takes a slower path, measured by
     `row_kernels`), outputs side by side as the packed weight stacks them."""
-    outputs = [torch.ops.mkldnn._linear_pointwise(x, linear.weight.detach(),
-                                                  None if linear.bias is None else linear.bias.detach(),
-                                                  "none", [], "") for linear in packed.linears]
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+    return _side_by_side(x, packed, lambda x, weight, bias: torch.ops.mkldnn._linear_pointwise(
+        x, weight.detach(), None if bias is None else bias.detach(), "none", [], ""))
 
 
 def default_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
     """x [..., K] → [..., N]: each source linear's own weight through PyTorch's default matmul (the very call
     `nn.Linear` makes), outputs side by side as the packed weight stacks them."""
-    outputs = [F.linear(x, linear.weight, linear.bias) for linear in packed.linears]
+    return _side_by_side(x, packed, F.linear)
+
+
+def _side_by_side(x: torch.Tensor, packed: _PackedWeights, product) -> torch.Tensor:
+    """`product(x, weight, bias)` of each source linear of `packed`, outputs concatenated along the last dimension
+    in the order the packed weight stacks them."""
+    outputs = [product(x, linear.weight, linear.bias) for linear in packed.linears]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 

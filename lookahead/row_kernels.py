@@ -65,8 +65,8 @@ class RowKernels:
             parts.append(f"{span} rows on the streamed kernel")
         if not parts:
             return "all products on oneDNN's packed weights"
-        larger = {"default": "PyTorch's default matmul", "onednn": "oneDNN (unpacked)"}[self.large]
-        larger = larger if self.streamed_rows else "oneDNN's packed weights"
+        larger = {"default": "PyTorch's default matmul", "onednn": "oneDNN (unpacked)"}[self.large] \
+            if self.streamed_rows else "oneDNN's packed weights"
         return ", ".join(parts) + f", more on {larger}"
 
 
