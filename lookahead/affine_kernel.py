@@ -17,8 +17,8 @@ bit): 1.125 bytes per weight.
 
 Rebuilding a weight vector takes four operations (shift, mask, convert, multiply-add), so one to three rows become
 compute-bound where the float32 kernel waits on memory, and one row's sum is a chain of dependent multiply-adds:
-1–3 rows compute two panels at once (`affine_panels_per_pass`; independent chains, each column's sum in its own
-order), the panel left over alone.
+a few rows compute several panels at once (`affine_panels_per_pass`: two for 1–3 rows with AVX2, three for 1–4 with
+AVX-512; independent chains, each column's sum in its own order), the panels left over alone.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def affine_kernel_ir(rows: int, width: int, prefetch: int = AFFINE_PREFETCH_STEP
     out = [f"define internal void @{name}{_SIGNATURE} {{",
            "entry:\n  %x = inttoptr i64 %xa to ptr\n  %w = inttoptr i64 %wa to ptr\n  %y = inttoptr i64 %ya to ptr",
            f"  %records = udiv i64 %K, {AFFINE_BLOCK}\n  %groups = udiv i64 %K, 8"]
-    out += panel_passes(affine_panels_per_pass(rows),
+    out += panel_passes(affine_panels_per_pass(rows, width),
                         lambda tag, together, edges: _panel_loop(form, tag, rows, together, width, prefetch, edges))
     return "\n".join(out)
 
@@ -64,10 +64,17 @@ def panel_passes(together: int, loop) -> list[str]:
             *loop("T", 1, ("Mpanel", "%mid", "%hi", "exit")), "exit:\n  ret void\n}"]
 
 
-def affine_panels_per_pass(rows: int) -> int:
-    """Panels a kernel of `rows` rows computes at once: enough independent sums to hide the multiply-add's latency
-    with the registers at hand — 2 for up to 3 rows, else 1 (the default model's products, one row, AVX2: 4 panels
-    11.9 ms (registers spilled), 2 panels 7.0 ms, 1 panel 10.0 ms)."""
+def affine_panels_per_pass(rows: int, width: int) -> int:
+    """Panels a kernel of `rows` rows on panels `width` floats wide computes at once: enough independent sums to
+    hide the multiply-add's latency with the registers at hand. AVX2 (8 wide, 16 registers): 2 for up to 3 rows,
+    else 1 (the default model's products, one row: 4 panels 11.9 ms (registers spilled), 2 panels 7.0 ms, 1 panel
+    10.0 ms). AVX-512 (16 wide, 32 registers): 3 for up to 4 rows, else 1 — the default model's 120 layer products
+    (Zen 5, 2 threads, ms for all of them, 2 → 3 panels, medians of 25, interleaved, two runs): 1 row 3.48 → 3.04
+    and 3.21 → 2.93, 2 rows 3.94 → 3.41 and 3.52 → 3.14, 3 rows 4.30 → 3.81 and 3.90 → 3.40; 4 rows (1 → 3 panels)
+    4.24 → 3.80 and 4.28 → 4.13. Four panels for one row measured slower than three (3.39, 3.17), two panels for
+    5–8 rows slower than one (LLVM spills accumulators from 6 rows on)."""
+    if width >= 16:
+        return 3 if rows <= 4 else 1
     return 2 if rows <= 3 else 1
 
 

@@ -14,7 +14,7 @@ their small-M paths either re-read the weights or leave the memory bus idle whil
 - reads the rows' inputs transposed ([K, M], transposed by compiled code before the threads start), so one
   pointer serves every row (a pointer per row spilled general registers on AVX2 at 12 rows: 12 rows then cost
   1.5x 8 rows' time, now 1.1x);
-- for 1–3 rows computes several panels at once (`PANELS_PER_PASS`): one row's sum is a chain of dependent
+- for 1–3 rows computes several panels at once (`panels_per_pass`): one row's sum is a chain of dependent
   multiply-adds that waits on their latency, and more panels are more independent chains;
 - prefetches the weights `PREFETCH_STEPS` vectors ahead, so loads are in flight while the rows are computed;
 - splits the panels between the threads (numba's parallel loop), each thread a contiguous range.
@@ -236,11 +236,20 @@ def rows_per_pass() -> int:
     return 16 if vector_width() == 16 else 12
 
 
-# Panels a kernel of k rows computes at once, by panel element type (measured on the default model's LM head, AVX2,
-# 2 threads, ms: int8 1 row 2.27 → 1.94 with 3 panels, 3 rows 2.32 → 2.02; float32 1 row 5.4 → 4.6 with 2 panels);
-# row counts not listed: one panel. One row's sum is a chain of dependent multiply-adds, so a lone panel waits on
-# the multiply-add's latency; more panels are independent chains.
-PANELS_PER_PASS = {"int8": {1: 3, 2: 3, 3: 3}, "float32": {1: 2, 2: 2}}
+# Panels a kernel of k rows computes at once, by vector width and panel element type (measured on the default
+# model's LM head, 2 threads, ms: AVX2, int8 1 row 2.27 → 1.94 with 3 panels, 3 rows 2.32 → 2.02, float32 1 row
+# 5.4 → 4.6 with 2 panels; AVX-512 (Zen 5, its caches flushed before each call as in a step, medians of 30,
+# interleaved), int8 3 → 6 panels: 1 row 0.64 → 0.63, 2 rows 0.83 → 0.76, 3 rows 0.87 → 0.76, and 4 panels no
+# better than 3); row counts not listed: one panel. One row's sum is a chain of dependent multiply-adds, so a lone
+# panel waits on the multiply-add's latency; more panels are independent chains.
+PANELS_PER_PASS = {8: {"int8": {1: 3, 2: 3, 3: 3}, "float32": {1: 2, 2: 2}},
+                   16: {"int8": {1: 6, 2: 6, 3: 6}, "float32": {1: 2, 2: 2}}}
+
+
+def panels_per_pass(weights: str, rows: int, width: int) -> int:
+    """Panels a kernel of `rows` rows on `weights` panels ("float32" or "int8") of `width` floats computes at once
+    (`PANELS_PER_PASS`)."""
+    return PANELS_PER_PASS[width].get(weights, {}).get(rows, 1)
 
 
 def kernel_ir(rows: int, width: int, prefetch: int = PREFETCH_STEPS, name: str = "panel_rows",
@@ -248,11 +257,11 @@ def kernel_ir(rows: int, width: int, prefetch: int = PREFETCH_STEPS, name: str =
     """LLVM IR of `void name(i64 x, i64 xs, i64 w, i64 y, i64 K, i64 N, i64 lo, i64 hi)`: for panels
     lo ≤ b < hi, y[m, b·P + j] = Σ_k x[k·xs + m] · w[b, k, j] for the `rows` rows m, P = `width`. x holds the
     rows transposed, [K, xs] with xs ≥ rows, so one pointer reaches every row's input at step k (with a pointer
-    per row, 12 rows ran out of AVX2's 16 general registers); y is [rows, N]. `PANELS_PER_PASS` panels at a time,
+    per row, 12 rows ran out of AVX2's 16 general registers); y is [rows, N]. `panels_per_pass` panels at a time,
     those left over one by one; each column's sum is the same k = 0 … K-1 chain either way.
     `weights`: the panels' element type, "float32" or "int8" (converted exactly to float before the
     multiply-add; `prefetch` then counts float32 vectors' worth of bytes, so both look as far ahead)."""
-    together = PANELS_PER_PASS.get(weights, {}).get(rows, 1)
+    together = panels_per_pass(weights, rows, width)
     out = [f"define internal void @{name}(i64 %xa, i64 %xs, i64 %wa, i64 %ya, i64 %K, i64 %N, i64 %lo, i64 %hi) {{",
            "entry:\n  %x = inttoptr i64 %xa to ptr\n  %w = inttoptr i64 %wa to ptr\n  %y = inttoptr i64 %ya to ptr"]
     out += panel_passes(together, lambda tag, n, edges: _panels_loop(tag, rows, n, width, prefetch, weights, edges))

@@ -214,19 +214,21 @@ def test_the_record_layout_holds_each_weights_code_scale_and_offset():
 @pytest.mark.parametrize("width", [8, 16])
 @pytest.mark.parametrize("form, rounding", [("affine4", q4_1), ("scaled8", q8_0)])
 def test_products_are_bit_identical_to_the_float32_panels_for_any_row_count(monkeypatch, width, form, rounding):
-    """Every row count from 1 to past two passes (rows computed two panels at once, an odd panel left over, groups
-    of rows), with a bias, on the AVX2 and the AVX-512 layouts compiled here."""
+    """Every row count from 1 to past two passes (rows computed several panels at once, panels left over, groups
+    of rows), with a bias, on the AVX2 and the AVX-512 layouts compiled here, one thread and two."""
     monkeypatch.setattr(streamed_gemm, "vector_width", lambda: width)
     streamed_gemm._kernel_address.cache_clear()
     try:
         generator = torch.Generator().manual_seed(width)
-        weight = rounding(torch.randn(5 * width + 3, 96, generator=generator))
+        weight = rounding(torch.randn(9 * width + 3, 96, generator=generator))  # 10 panels: 3 + 2 per thread
         bias = torch.randn(len(weight), generator=generator)
         compact, plain = affine_weights.pack_stacked([weight], bias), streamed_gemm.pack(weight, bias)
         assert compact.kind == form
-        for rows in range(1, 2 * streamed_gemm.rows_per_pass() + 4):
-            x = torch.randn(rows, 96, generator=generator)
-            assert torch.equal(streamed_gemm.product(x, compact), streamed_gemm.product(x, plain)), rows
+        for threads in (1, 2):
+            with _threads(threads):
+                for rows in range(1, 2 * streamed_gemm.rows_per_pass() + 4):
+                    x = torch.randn(rows, 96, generator=generator)
+                    assert torch.equal(streamed_gemm.product(x, compact), streamed_gemm.product(x, plain)), rows
     finally:
         streamed_gemm._kernel_address.cache_clear()
 

@@ -117,7 +117,7 @@ def test_the_generated_ir_has_one_function_per_row_count_a_dispatcher_and_the_tr
         "rows1", "rows2", "rows3", "streamed_rows", "transpose"]
     # One multiply-add per row and step in each panel loop: for 1–2 rows, a loop over two panels at once and one
     # for the panel left over; for 3 rows, one loop of one panel.
-    assert streamed_gemm.PANELS_PER_PASS["float32"] == {1: 2, 2: 2}
+    assert [streamed_gemm.panels_per_pass("float32", rows, 16) for rows in (1, 2, 3)] == [2, 2, 1]
     assert ir.count("call <16 x float> @llvm.fma.v16f32") == 1 * (2 + 1) + 2 * (2 + 1) + 3
 
 
@@ -199,24 +199,29 @@ def test_a_few_weight_rows_packed_alone_give_the_full_products_numbers_bit_for_b
 
 
 def test_the_int8_kernel_converts_each_weight_vector_once():
-    ir = streamed_gemm.module_ir(16, 2, "int8")
-    # Per row-count function, once per panel of each loop: three panels at once and the one left over.
-    assert streamed_gemm.PANELS_PER_PASS["int8"][1] == streamed_gemm.PANELS_PER_PASS["int8"][2] == 3
-    assert ir.count("sext <16 x i8>") == 2 * (3 + 1) and ir.count("sitofp <16 x i32>") == 2 * (3 + 1)
-    assert ir.count("call <16 x float> @llvm.fma.v16f32") == 1 * (3 + 1) + 2 * (3 + 1)  # one per row and panel
+    for width, together in ((8, 3), (16, 6)):
+        ir = streamed_gemm.module_ir(width, 2, "int8")
+        # Per row-count function, once per panel of each loop: `together` panels at once and the one left over.
+        assert [streamed_gemm.panels_per_pass("int8", rows, width) for rows in (1, 2)] == [together, together]
+        converted = 2 * (together + 1)
+        assert ir.count(f"sext <{width} x i8>") == converted and ir.count(f"sitofp <{width} x i32>") == converted
+        fmas = ir.count(f"call <{width} x float> @llvm.fma.v{width}f32")
+        assert fmas == 1 * (together + 1) + 2 * (together + 1)  # one per row and panel
 
 
 @needs_kernel
 @pytest.mark.parametrize("weights", ["float32", "int8"])
-@pytest.mark.parametrize("columns", [8, 4 * 8 + 3, 7 * 16])
+@pytest.mark.parametrize("columns", [8, 4 * 8 + 3, 7 * 16, 15 * 16 + 3, 29 * 16])
 def test_panels_computed_together_give_each_column_its_own_sum(weights, columns):
-    """Row counts that compute several panels at once (`PANELS_PER_PASS`), on panel counts that leave panels over
-    (also per thread): every row bit-identical to the same row computed among rows that take one panel at a time."""
+    """Row counts that compute several panels at once (`panels_per_pass` at this CPU's width), on panel counts that
+    leave panels over (also per thread): every row bit-identical to the same row computed among rows that take one
+    panel at a time."""
     generator = torch.Generator().manual_seed(columns)
     weight = torch.randn(columns, 40, generator=generator)
     packed = streamed_gemm.quantize(weight) if weights == "int8" else pack(weight)
     x = torch.randn(5, 40, generator=generator)
-    assert 5 not in streamed_gemm.PANELS_PER_PASS[weights]
+    table = streamed_gemm.PANELS_PER_PASS[streamed_gemm.vector_width()][weights]
+    assert 5 not in table
     alone = product(x, packed)
-    for rows in streamed_gemm.PANELS_PER_PASS[weights]:
+    for rows in table:
         assert torch.equal(product(x[:rows], packed), alone[:rows]), rows
