@@ -2,7 +2,7 @@
 SiLU gating and residuals around the four streamed-kernel products, in one call per layer (`decoder_layer`) or
 one call for all the layers of a step (`decoder_stack`).
 
-`decoder_layer` computes, for the rows of one step at batch size 1, what `lean_layers.LeanForward` computes with
+`decoder_layer` computes, for the rows of one step, what `lean_layers.LeanForward` computes with
 ~40 dispatched PyTorch operations per layer (each costing microseconds between weight streams that evict the
 interpreter's working set): the same formulas in the same order per element, the products on the same
 `streamed_gemm` kernel (so they are bit-identical), the reductions in their own order (the RMS norm's sum of
@@ -67,23 +67,26 @@ def rotate_and_store(qkv, cos, folded_sin, query_heads, key_heads, head_dim, key
     # pragma: no cover - compiled
     """RoPE on the query and key heads of qkv [rows, (q + 2·kv heads) · D] as `lean_layers` computes it
     (x · cos + roll(x, D/2) · folded sin, two rounded products and a rounded sum): queries into `queries`
-    [rows, q heads, D], keys into keys[:, start + row], the value heads copied into values[:, start + row]."""
+    [rows, q heads, D], keys into keys[b, :, start + t], the value heads copied into values[b, :, start + t], for
+    keys/values [B, key heads, slots, D] and the rows batch entry by batch entry (row r = b · T + t, T = rows / B)."""
     rows = qkv.shape[0]
+    per_entry = rows // keys.shape[0]
     half = head_dim // 2
-    for t in range(rows):
+    for r in range(rows):
+        b, t = r // per_entry, r % per_entry
         for head in range(query_heads + key_heads):
             base = head * head_dim
             for i in range(head_dim):
-                partner = qkv[t, base + i + half] if i < half else qkv[t, base + i - half]
-                rotated = qkv[t, base + i] * cos[t, i] + partner * folded_sin[t, i]
+                partner = qkv[r, base + i + half] if i < half else qkv[r, base + i - half]
+                rotated = qkv[r, base + i] * cos[r, i] + partner * folded_sin[r, i]
                 if head < query_heads:
-                    queries[t, head, i] = rotated
+                    queries[r, head, i] = rotated
                 else:
-                    keys[head - query_heads, start + t, i] = rotated
+                    keys[b, head - query_heads, start + t, i] = rotated
         for head in range(key_heads):
             base = (query_heads + key_heads + head) * head_dim
             for i in range(head_dim):
-                values[head, start + t, i] = qkv[t, base + i]
+                values[b, head, start + t, i] = qkv[r, base + i]
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_REDUCE)
@@ -203,16 +206,23 @@ def add_rows(a, b, columns, out):  # pragma: no cover - compiled
 @numba.njit(nogil=True, cache=True)
 def decoder_layer(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
                   values, start, mask, attention, out):  # pragma: no cover - compiled
-    """One Llama-style decoder layer for hidden [rows, size] at batch size 1, into out [rows, size]: the attention's
-    inputs (`attention_inputs`), `attend` over the first start + rows slots with mask [rows, start + rows]
-    (additive, or [0, 0] for a row that sees every slot; `attention` its compiled loops' addresses, or empty), the
-    rest of the layer (`layer_output`)."""
+    """One Llama-style decoder layer for hidden [rows, size], the rows of B batch entries one entry after the other
+    (keys/values [B, key heads, slots, D]; T = rows / B rows each), into out [rows, size]: the attention's inputs
+    (`attention_inputs`), `attend` of each entry's rows over its first start + T slots with its rows of mask
+    [rows, start + T] (additive, or [0, 0] for a lone row that sees every slot; `attention` its compiled loops'
+    addresses, or empty), the rest of the layer (`layer_output`). The products take all the rows at once; every
+    row's numbers are those it gets computed alone."""
     rows = hidden.shape[0]
     queries = np.empty((rows, dims[0], dims[2]), np.float32)
     attention_inputs(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
                      values, start, queries)
     attended = np.empty((rows, dims[0], dims[2]), np.float32)
-    attend(queries, keys, values, start + rows, mask, floats[3], threads, attention, attended)
+    per_entry = rows // keys.shape[0]
+    for b in range(keys.shape[0]):
+        first, end = b * per_entry, (b + 1) * per_entry
+        entry_mask = mask[first:end] if mask.shape[0] else mask
+        attend(queries[first:end], keys[b], values[b], start + per_entry, entry_mask, floats[3], threads, attention,
+               attended[first:end])
     layer_output(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, attended, out)
 
 
@@ -227,14 +237,15 @@ def _floats_at(typingctx, address):
 
 @numba.njit(nogil=True, cache=True)
 def decoder_stack(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, slabs,
-                  capacities, start, mask, attention):  # pragma: no cover - compiled
-    """Every layer of a decoder stack, one after the other, for hidden [rows, size]; returns the last layer's output
-    [rows, size]. Layer l is `decoder_layer` with kernels[l], panels[l] (each [layers, 4]), floats[l] ([layers, 4]),
-    biases[l] ([layers, 4, max N]), norms[l] ([layers, 2, size]) and its cache's key and value slabs, contiguous
-    float32 [key heads, capacities[l], D] at the addresses slabs[l] ([layers, 2]; the caller keeps them alive);
-    dims, the RoPE tables, start, mask and attention are every layer's."""
+                  capacities, start, mask, attention, batch):  # pragma: no cover - compiled
+    """Every layer of a decoder stack, one after the other, for hidden [rows, size] (`batch` entries' rows one entry
+    after the other); returns the last layer's output [rows, size]. Layer l is `decoder_layer` with kernels[l],
+    panels[l] (each [layers, 4]), floats[l] ([layers, 4]), biases[l] ([layers, 4, max N]), norms[l] ([layers, 2,
+    size]) and its cache's key and value slabs, contiguous float32 [batch, key heads, capacities[l], D] at the
+    addresses slabs[l] ([layers, 2]; the caller keeps them alive); dims, the RoPE tables, start, mask and attention
+    are every layer's."""
     for layer in range(panels.shape[0]):
-        shape = (dims[1], capacities[layer], dims[2])
+        shape = (batch, dims[1], capacities[layer], dims[2])
         keys = numba.carray(_floats_at(slabs[layer, 0]), shape)
         values = numba.carray(_floats_at(slabs[layer, 1]), shape)
         out = np.empty_like(hidden)
@@ -248,8 +259,8 @@ def decoder_stack(kernels, transpose, threads, dims, panels, floats, biases, nor
 def attention_inputs(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
                      values, start, queries):  # pragma: no cover - compiled
     """The input norm, the q/k/v product and RoPE of hidden [rows, size]: the rotated queries into queries
-    [rows, query heads, D], the rows' keys and values into keys/values [key heads, ≥ start + rows, D] at slots
-    start…start + rows - 1.
+    [rows, query heads, D], the rows' keys and values into keys/values [B, key heads, ≥ start + T, D] at slots
+    start…start + T - 1 of their batch entries (`rotate_and_store`: T = rows / B rows per entry).
 
     dims: query heads, key heads, head dim, intermediate size, panel width, then the padded output widths of the
     q/k/v, o, gate/up and down products, then their bias lengths (0: none); panels: their weights' panel addresses;

@@ -107,10 +107,10 @@ class FusedLayer:
         return out
 
     def _slabs(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """The cache's key and value slabs' first batch entry as numpy arrays (views), kept while the slabs are
+        """The cache's key and value slabs `[1, H, capacity, D]` as numpy arrays (views), kept while the slabs are
         the same tensors."""
         if self._slab_views is None or self._slab_views[0] is not keys or self._slab_views[1] is not values:
-            self._slab_views = (keys, values, keys[0].numpy(), values[0].numpy())
+            self._slab_views = (keys, values, keys.numpy(), values.numpy())
         return self._slab_views[2:]
 
     def _mask(self, attention_mask: torch.Tensor | None, rows: int, past_key_values) -> np.ndarray | None:
@@ -158,14 +158,14 @@ def compiled_threads() -> int:
     return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
 
 
-def slab_layer(past_key_values, layer_idx: int) -> SlabLayer | None:
-    """Layer `layer_idx` of the cache when the fused step can write into it: a `SlabLayer` holding one sequence's
-    states (else None)."""
+def slab_layer(past_key_values, layer_idx: int, batch: int = 1) -> SlabLayer | None:
+    """Layer `layer_idx` of the cache when the fused step can write into it: a `SlabLayer` holding `batch`
+    sequences' states (else None)."""
     layers = getattr(past_key_values, "layers", None)
     if layers is None or layer_idx >= len(layers):
         return None
     layer = layers[layer_idx]
-    if type(layer) is not SlabLayer or not layer.is_initialized or layer.batch_size != 1:
+    if type(layer) is not SlabLayer or not layer.is_initialized or layer.batch_size != batch:
         return None
     return layer
 
@@ -178,6 +178,18 @@ def step_mask(attention_mask: torch.Tensor | None, rows: int, cached: int) -> np
     if attention_mask.dtype != torch.float32 or tuple(attention_mask.shape) != (1, 1, rows, cached + rows):
         return None
     return _plane(attention_mask)
+
+
+def batch_step_mask(attention_mask: torch.Tensor | None, batch: int, rows: int, cached: int) -> np.ndarray | None:
+    """`step_mask` for a batch of `batch` entries of `rows` rows each: the additive float `[B, 1, rows, cached +
+    rows]` mask as [B · rows, cached + rows] float32, entry after entry (the empty "none" mask for lone rows without
+    one), or None when it is not such a mask."""
+    if batch == 1 or (attention_mask is None and rows == 1):
+        return step_mask(attention_mask, rows, cached)
+    if (attention_mask is None or attention_mask.dtype != torch.float32
+            or tuple(attention_mask.shape) != (batch, 1, rows, cached + rows)):
+        return None
+    return attention_mask.reshape(batch * rows, cached + rows).contiguous().numpy()
 
 
 # Every layer of a forward passes the same mask and RoPE tables, and each layer's input is the previous one's output:

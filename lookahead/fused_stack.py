@@ -12,7 +12,16 @@ logits are bit-identical to it) and applies the model's final norm — as `lean_
 the norm's own output bit for bit and the norm has no hooks (a third of the dispatched operations: ~0.4 ms less per
 step in situ, 288 one-row steps 3.85 → 3.74 s), else the norm module itself. Any other call (a prefill, grads, hooks
 on the layers, hidden states or attentions asked for, a row count or cache the fused step does not handle) runs the
-model's own forward, whose layers then run their lean or fused forward one by one."""
+model's own forward, whose layers then run their lean or fused forward one by one.
+
+A batch (B sequences of T rows each, as the batched decoder steps them: an additive `[B, 1, T, cached + T]` mask
+with each sequence's padding holes, positions `[B, T]`) runs in the same call: every product takes all B · T rows
+at once — the streamed kernel computes each row as it computes it alone, so every sequence's numbers are those of
+its own batch-1 step (tested bit for bit) — and each sequence's rows attend over its own entry of the cache slabs
+`[B, H, capacity, D]`. Measured before/after on the default model (Zen 5, 2 threads, 8 prompts of the six
+categories left-padded, 64 new tokens, one run each, outputs identical to plain batched greedy): decoding after
+the prefill 190 → 277 tok/s at batch 4 and 219 → 281 tok/s at batch 8, where batches took transformers' own stack
+with the lean layers before."""
 
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .fused_kernels import decoder_stack
-from .fused_layer import _ATTENTIONS, FusedLayer, _plane, compiled_threads, slab_layer, step_mask
+from .fused_layer import _ATTENTIONS, FusedLayer, _plane, batch_step_mask, compiled_threads, slab_layer
 from .packed_linear import weights_stamp
 from .rope_table import RopeTable
 
@@ -73,40 +82,48 @@ class FusedStack:
 
     def _step(self, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor | None, past_key_values,
               kwargs: dict) -> BaseModelOutputWithPast | None:
-        """The fused step, or None when this call is not one it computes."""
-        rows = input_ids.shape[1]
-        if input_ids.shape[0] != 1 or not self._plain_call(kwargs):
+        """The fused step, or None when this call is not one it computes. A batch's B × T rows go through every
+        product at once; each entry's rows attend over its own cache entry."""
+        batch, rows = input_ids.shape
+        if not self._plain_call(kwargs):
             return None
-        caches = [slab_layer(past_key_values, i) for i in range(len(self.fused))]
+        caches = [slab_layer(past_key_values, i, batch) for i in range(len(self.fused))]
         if any(cache is None for cache in caches):
             return None
         start = caches[0].get_seq_length()
         if position_ids is None:  # as the model's own forward counts them
-            position_ids = torch.arange(start, start + rows, device=input_ids.device)[None]
-        mask = step_mask(attention_mask, rows, start)
-        arrays = self._arrays(rows, past_key_values)
+            position_ids = torch.arange(start, start + rows, device=input_ids.device)[None].expand(batch, rows)
+        mask = batch_step_mask(attention_mask, batch, rows, start)
+        arrays = self._arrays(batch * rows, past_key_values)
         if (mask is None or arrays is None or any(cache.get_seq_length() != start for cache in caches)
-                or not self.fused[0].attends_compiled(rows, start)):
+                or not self.fused[0].attends_compiled(rows, start) or position_ids.shape != (batch, rows)):
             return None
-        hidden = self.stack.embed_tokens(input_ids)  # [1, T, size]
+        hidden = self.stack.embed_tokens(input_ids)  # [B, T, size]
         if hidden.dtype != torch.float32 or hidden.requires_grad:
             return None
         cos, folded_sin = self._rope(hidden, position_ids)
-        slabs, capacities = self._slab_addresses([cache.reserve(rows) for cache in caches])
+        reserved = [cache.reserve(rows) for cache in caches]
+        if any(key.shape[0] != batch for key, _ in reserved):
+            return None
+        slabs, capacities = self._slab_addresses(reserved)
         out = decoder_stack(arrays[3], self.fused[0].transpose, compiled_threads(), arrays[0], arrays[1], self.floats,
-                            arrays[2], self.norms, hidden[0].contiguous().numpy(), cos, folded_sin,
-                            slabs, capacities, start, mask, self.fused[0].attention_loops)  # [T, size]
-        return BaseModelOutputWithPast(last_hidden_state=self._norm(torch.from_numpy(out).unsqueeze(0)),
+                            arrays[2], self.norms, hidden.reshape(batch * rows, -1).contiguous().numpy(), cos,
+                            folded_sin, slabs, capacities, start, mask, self.fused[0].attention_loops,
+                            batch)  # [B · T, size]
+        return BaseModelOutputWithPast(last_hidden_state=self._norm(torch.from_numpy(out).view(batch, rows, -1)),
                                        past_key_values=past_key_values)
 
     def _rope(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """(cos, folded sin) `[T, D]` for the step: from the RoPE table where the model's rotary module has one
-        (`rope_table`), else from the module, as the layers' own forward gets them."""
+        """(cos, folded sin) `[B · T, D]` for the step's rows: from the RoPE table where the model's rotary module
+        has one (`rope_table`), else from the module, as the layers' own forward gets them."""
         tables = self.rope.factors(position_ids)
         if tables is not None:
             return tables
-        cos, folded_sin = self.rotary(self.stack.rotary_emb(hidden, position_ids=position_ids))
-        return _plane(cos), _plane(folded_sin)
+        cos, folded_sin = self.rotary(self.stack.rotary_emb(hidden, position_ids=position_ids))  # [B, 1, T, D]
+        if cos.shape[0] == 1:
+            return _plane(cos), _plane(folded_sin)
+        return (cos.reshape(-1, cos.shape[-1]).contiguous().numpy(),
+                folded_sin.reshape(-1, folded_sin.shape[-1]).contiguous().numpy())
 
     def _norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's final norm of `hidden`: `final_norm` unless the norm module has hooks to run."""

@@ -35,11 +35,12 @@ class RopeTable:
         self._cos = self._folded = None
 
     def factors(self, position_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
-        """(cos, folded sin), each float32 `[T, D]` contiguous, for `position_ids` `[1, T]`; None when this rotary
-        module has no table (or the module's output for these positions would not be the table's)."""
+        """(cos, folded sin), each float32 `[B · T, D]` contiguous, for `position_ids` `[B, T]` (row b · T + t for
+        position_ids[b, t]); None when this rotary module has no table (or the module's output for these positions
+        would not be the table's)."""
         if not self.usable or self.rotary._forward_hooks or self.rotary._forward_pre_hooks:
             return None
-        positions = position_ids[0].numpy()
+        positions = position_ids.reshape(-1).numpy()
         if not len(positions) or positions.min() < 0:
             return None
         needed = int(positions.max()) + 1

@@ -4,6 +4,8 @@ and regrown cache slabs followed, and the model's forward given back."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from tiny_models import (FUSED_ARCHITECTURES, build_tiny_model, fused_test_model, repetitive_prompt,
@@ -205,3 +207,85 @@ def test_greedy_through_the_stack_with_slabs_regrown_is_plain_greedy(config, mon
         fast = model.generate(prompt, do_sample=False, max_new_tokens=60, custom_generate=Lookahead(config))
         assert torch.equal(plain, fast)
     assert counts.stack > 0 and counts.layer == 0
+
+
+def _batched_step_inputs(prefix: int, entries: list[int]):
+    """A 3-row chain step for the batch entries `entries` after `prefix` cached slots: positions [B, 3] and the
+    additive mask [B, 1, 3, prefix + 3] (causal over the new rows; entry e also hides cached slot e, as padding
+    holes do)."""
+    low = torch.finfo(torch.float32).min
+    mask = torch.zeros(len(entries), 1, 3, prefix + 3)
+    for b, entry in enumerate(entries):
+        mask[b, 0, :, entry] = low
+        for row in range(3):
+            mask[b, 0, row, prefix + row + 1:] = low
+    positions = torch.arange(prefix, prefix + 3)[None].expand(len(entries), 3)
+    return positions, mask
+
+
+def _steps_on(model, cache, tokens: torch.Tensor, prefix: int, entries: list[int]) -> list:
+    """Logits of a one-token step (tokens[:, :1]) and of a 3-row chain step (tokens[:, 1:4]) of the batch entries
+    `entries` on `cache`."""
+    outs = [model(tokens[:, :1], past_key_values=cache, use_cache=True).logits]
+    positions, mask = _batched_step_inputs(prefix + 1, entries)
+    outs.append(model(input_ids=tokens[:, 1:4], position_ids=positions, attention_mask=mask, past_key_values=cache,
+                      use_cache=True).logits)
+    return outs
+
+
+@pytest.mark.parametrize("name", list(FUSED_ARCHITECTURES))
+def test_a_batch_through_the_stack_computes_every_entry_as_it_computes_alone(name, monkeypatch):
+    """Each entry's logits and cache after batched steps (every product over all entries' rows, each entry's rows
+    attending over its own cache entry with its own mask and positions) are bit for bit those of the entry
+    stepped alone from the same cache."""
+    from transformers import DynamicCache
+
+    from lookahead.cache import make_compactable
+
+    model = _model(name)
+    prompts = torch.cat([repetitive_prompt(seed, length=20) for seed in (4, 5, 6)])
+    tokens = torch.tensor([[3, 9, 12, 5], [7, 7, 2, 30], [11, 1, 4, 8]])
+    calls = []
+    real = fused_stack.decoder_stack
+    monkeypatch.setattr(fused_stack, "decoder_stack", lambda *args: calls.append(args[-1]) or real(*args))
+    with torch.no_grad(), packed_linears(model), tree_attention(model), lean_layers(model):
+        apply_row_kernels(model, RowKernels(0, 16))
+        cache = DynamicCache()
+        model(prompts, past_key_values=cache, use_cache=True)
+        make_compactable(cache, model.config, 4096, batch_size=3)
+        alone = []
+        for b in range(3):
+            single = copy.deepcopy(cache)
+            single.batch_select_indices(torch.tensor([b]))
+            logits = _steps_on(model, single, tokens[b:b + 1], prompts.shape[1], [b])
+            alone.append((logits, single))
+        assert calls == [1] * 6
+        batched = _steps_on(model, cache, tokens, prompts.shape[1], [0, 1, 2])
+    assert calls[6:] == [3, 3]
+    for b, (logits, single) in enumerate(alone):
+        for one, many in zip(logits, batched, strict=True):
+            assert torch.equal(one[0], many[b])
+        for one, many in zip(single.layers, cache.layers, strict=True):
+            assert torch.equal(one.keys[0], many.keys[b]) and torch.equal(one.values[0], many.values[b])
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_batched_greedy_through_the_stack_is_plain_batched_greedy(name, monkeypatch):
+    """Left-padded batches of different prompts (entries stopping at different lengths on an EOS), speculating,
+    with every decoding step of the batch on the stack: plain batched `generate`'s tokens."""
+    monkeypatch.setattr(hf, "row_kernels_for", lambda model, refresh=False, quiet=False: RowKernels(0, 64))
+    model = _model(name)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 17
+    batches = []
+    real = fused_stack.decoder_stack
+    monkeypatch.setattr(fused_stack, "decoder_stack", lambda *args: batches.append(args[-1]) or real(*args))
+    for seed in range(3):
+        prompts = [repetitive_prompt(seed * 3 + i, length=length)[0] for i, length in enumerate((24, 16, 20))]
+        width = max(len(p) for p in prompts)
+        ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+        mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]).long() for p in prompts])
+        plain = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40)
+        fast = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40,
+                              custom_generate=Lookahead())
+        assert torch.equal(plain, fast), seed
+    assert 3 in batches
