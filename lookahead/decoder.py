@@ -13,6 +13,7 @@ from .budget import BatchPlanner
 from .cache import keep_rows_batched, keep_sequences
 from .config import LookaheadConfig
 from .layout import pack_batch, sliding_window
+from .prefill import prefill_by_prompt
 from .request import DecodeRequest
 from .rest import DraftRest
 from .rules import draws_follow_the_plan
@@ -90,7 +91,9 @@ class Decoder:
             kwargs.setdefault("logits_to_keep", 1)  # the LM head only for the last position
         inputs = self.model.prepare_inputs_for_generation(request.input_ids[::copies], is_first_iteration=True,
                                                           **kwargs)
-        logits = self.model(**inputs, return_dict=True).logits[:, -1]  # [B / copies, V]
+        logits = prefill_by_prompt(self.model, inputs, self.cache)  # [B / copies, V] or None: batched
+        if logits is None:
+            logits = self.model(**inputs, return_dict=True).logits[:, -1]
         prompts = request.input_ids.cpu().numpy()
         if copies > 1:
             keep_sequences(self.cache, [b // copies for b in range(len(prompts))])
