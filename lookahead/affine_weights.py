@@ -8,7 +8,9 @@ rounded once: per block of 32 weights along a row, a scale d and an offset m (GG
 float32 on load; this module finds that form again in the float32 values and keeps it, checked bit for bit, so the
 streamed kernel (`affine_kernel`) rebuilds each weight in registers and does the very multiply-adds it does on the
 float32 weights: every product is bit-identical, from 0.75 ("affine4") or 1.125 ("scaled8") bytes per weight
-instead of 4.
+instead of 4. With AVX-512, a 4-bit matrix whose every scale and offset float16 holds exactly (a GGUF file's are
+float16) keeps them as float16 ("affine4h", 0.625 bytes per weight, GGUF's own size): the kernel widens them to
+the same float32 values in registers, so its products are the same bits from a sixth fewer bytes.
 
 Nothing is assumed: a weight matrix gets a form only when every one of its weights equals `fma(q, d, m)` for the
 recovered d, m and q, compared as bit patterns, with d a float16 value (at most 11 significant bits, so d · q is
@@ -133,13 +135,16 @@ def _scaled_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | 
 
 def pack_stacked(weights: list[torch.Tensor], bias: torch.Tensor | None = None) -> StreamedWeight:
     """The streamed kernel's weight for fp32 weights [N_i, K] stacked by rows: "affine4" panels when every weight
-    has the exact 4-bit form, else "scaled8" when every one has the exact 8-bit form (where the kernels build
-    here), else `streamed_gemm.pack_stacked`'s float32 panels."""
+    has the exact 4-bit form ("affine4h" with AVX-512 when float16 holds every block's scale and offset, as GGUF's
+    do), else "scaled8" when every one has the exact 8-bit form (where the kernels build here), else
+    `streamed_gemm.pack_stacked`'s float32 panels."""
     bias = None if bias is None else bias.detach().contiguous()
     if affine_available():
         forms = [affine_form(weight) for weight in weights]
         if all(form is not None for form in forms):
             scales, offsets, codes = (torch.cat(parts) for parts in zip(*forms))
+            if streamed_gemm.vector_width() == 16 and half_exact(scales) and half_exact(offsets):
+                return StreamedWeight(_half_affine_panels(scales, offsets, codes), len(codes), bias, kind="affine4h")
             return StreamedWeight(_affine_panels(scales, offsets, codes), len(codes), bias, kind="affine4")
         forms = [scaled_form(weight) for weight in weights]
         if all(form is not None for form in forms):
@@ -157,6 +162,21 @@ def _affine_panels(scales: torch.Tensor, offsets: torch.Tensor, codes: torch.Ten
     lanes = (codes.to(torch.int32).reshape(-1, records, 4, 8) << shifts).sum(-1, dtype=torch.int32)
     panels[:, :, 2:] = lanes.reshape(blocks, width, records, 4).permute(0, 2, 3, 1)  # lanes [N_pad, records, 4]
     return panels
+
+
+def _half_affine_panels(scales: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """int32 words [N_pad / P, K / 32, 5, P] in the "affine4h" record layout of `affine_kernel`: the "affine4"
+    layout with each column's scale and offset as float16 halves of one word (d low, m high), for scales and
+    offsets that float16 holds exactly (`half_exact`)."""
+    words = (scales.half().view(torch.int16).to(torch.int32) & 0xFFFF) | (
+        offsets.half().view(torch.int16).to(torch.int32) << 16)
+    full = _affine_panels(words.view(torch.float32), torch.zeros_like(scales), codes)  # d's word holds both halves
+    return torch.cat([full[:, :, :1], full[:, :, 2:]], dim=2).contiguous()
+
+
+def half_exact(values: torch.Tensor) -> bool:
+    """Whether float16 holds every float32 value exactly (bit for bit back, the sign of zero included)."""
+    return torch.equal(values.half().float().view(torch.int32), values.view(torch.int32))
 
 
 def _scaled_panels(scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -184,8 +204,8 @@ def _records(per_block: list[torch.Tensor], codes: torch.Tensor, words: int) -> 
 
 @functools.cache
 def affine_available() -> bool:
-    """Whether the streamed kernel is available and its "affine4" and "scaled8" modules build and compute the
-    float32 kernel's very bits on a small case (checked once per process)."""
+    """Whether the streamed kernel is available and its "affine4", "scaled8" (and, with AVX-512, "affine4h") modules
+    build and compute the float32 kernel's very bits on a small case (checked once per process)."""
     if not streamed_gemm.available():
         return False
     try:
@@ -198,6 +218,8 @@ def affine_available() -> bool:
         x = torch.randn(streamed_gemm.rows_per_pass() + 3, k, generator=generator)
         cases = ((_affine_panels(scales, offsets, codes), "affine4", _expand(scales, codes, offsets)),
                  (_scaled_panels(scales, signed), "scaled8", _expand(scales, signed, torch.zeros_like(scales))))
+        if streamed_gemm.vector_width() == 16:
+            cases += ((_half_affine_panels(scales, offsets, codes), "affine4h", _expand(scales, codes, offsets)),)
         return all(torch.equal(streamed_gemm.product(x, StreamedWeight(panels, n, None, kind=kind)),
                                streamed_gemm.product(x, streamed_gemm.pack(weight))) for panels, kind, weight in cases)
     except Exception:  # noqa: BLE001 — any failure to build or run the kernels means: not available here

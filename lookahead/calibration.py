@@ -18,7 +18,8 @@ from .distributed import is_leader, leader_value
 from .paths import cache_dir
 
 CURVE_QUANTILE = 0.25  # a low quantile of repeated timings: machine noise only ever adds time
-CURVE_VERSION = 10  # bump when the measurement, the arithmetic or the kernels change: older cached curves are not reused
+# bump when the measurement, the arithmetic or the kernels change: older cached curves are not reused
+CURVE_VERSION = 11
 
 
 def curve_key(model, batch: int = 1) -> str:

@@ -39,7 +39,7 @@ MEASURE_BUDGET = 3.0  # seconds the timed rounds may take (at least 2 rounds)
 # over the weights, probed up to 64 rows; 4: the streamed kernel may stream weights in their exact block form;
 # 5: several panels at once for few rows, AVX2 register tiles for 4-bit blocks;
 # 6: products above the streamed kernel's rows weighed between the default matmul and unpacked oneDNN).
-CHOICE_VERSION = 6
+CHOICE_VERSION = 7
 LARGE_PROBE = 128  # rows of the product (a short prompt's prefill) that decides the kernel above the streamed rows
 LARGE_ROUNDS = 3  # timed rounds of that product on each kernel
 

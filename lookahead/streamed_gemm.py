@@ -60,14 +60,14 @@ class StreamedWeight:
     """A weight [N, K] laid out as column panels for the streamed kernel; `panels` is [N_pad / P, K, P]
     (zero rows pad N to a multiple of P); `bias` [N] or None. float32 panels hold the weight itself; int8 panels
     (`quantize`) hold it rounded to `scales[n] · panels[…, n]`, and the product scales its output by `scales`;
-    "affine4" and "scaled8" panels [N_pad / P, K / 32, 6 or 9, P] (int32 words) hold it exactly in 4-bit or 8-bit
-    block form (`affine_weights`)."""
+    "affine4", "affine4h" and "scaled8" panels [N_pad / P, K / 32, 6, 5 or 9, P] (int32 words) hold it exactly in
+    4-bit or 8-bit block form (`affine_weights`)."""
 
     panels: torch.Tensor
     out_features: int
     bias: torch.Tensor | None
     scales: torch.Tensor | None = None
-    kind: str = "float32"  # the panels' element layout: "float32", "int8", "affine4" or "scaled8" (`affine_weights`)
+    kind: str = "float32"  # the layout: "float32", "int8", "affine4", "affine4h" or "scaled8" (`affine_weights`)
 
     @property
     def in_features(self) -> int:
@@ -391,10 +391,10 @@ exit:
 @functools.cache
 def _kernel_address(weights: str = "float32") -> tuple[int, int]:
     """Addresses of the compiled `streamed_rows` dispatcher and of `transpose` for panels of `weights` ("float32",
-    "int8", "affine4" or "scaled8"; each module compiled on first use, ~0.15 s, or loaded from the disk cache,
-    ~3 ms: `compiled_ir`)."""
+    "int8", "affine4", "affine4h" or "scaled8"; each module compiled on first use, ~0.15 s, or loaded from the disk
+    cache, ~3 ms: `compiled_ir`)."""
     if weights not in ("float32", "int8", *RECORD_FLOATS):
-        raise ValueError(f"streamed_gemm computes float32, int8, affine4 or scaled8 panels, got {weights}")
+        raise ValueError(f"streamed_gemm computes float32, int8, affine4, affine4h or scaled8 panels, got {weights}")
     ir = module_ir(vector_width(), rows_per_pass(), weights)
     return compiled_addresses(ir, ("streamed_rows", "transpose"), f"streamed-{weights}-{vector_width()}")
 

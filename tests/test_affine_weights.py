@@ -52,6 +52,11 @@ def q4_0(n: int, k: int, seed: int) -> torch.Tensor:
     return (scale * (codes - 8)).reshape(n, k)
 
 
+def _four_bit_kind() -> str:
+    """The panels GGUF-style 4-bit weights (float16 scales and offsets) get here: float16 records with AVX-512."""
+    return "affine4h" if streamed_gemm.vector_width() == 16 else "affine4"
+
+
 def _rebuilt(form) -> torch.Tensor:
     scales, offsets, codes = form
     return torch.addcmul(offsets.repeat_interleave(32, 1), codes.float(), scales.repeat_interleave(32, 1))
@@ -191,8 +196,21 @@ def test_the_scaled_record_layout_holds_each_weights_code_and_scale():
     assert _bits_equal(decoded[:19], weight) and not decoded[19:].any()
 
 
-def test_the_record_layout_holds_each_weights_code_scale_and_offset():
+def q4_1_float32_offsets(n: int, k: int, seed: int) -> torch.Tensor:
+    """A 4-bit weight fma(q, d, m) whose block offsets m float16 cannot hold (d float16, codes 0 and 15 in every
+    block, so the form is found)."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k // 32, 32), generator=generator).float()
+    codes[..., 0], codes[..., 1] = 0, 15
+    scale = torch.rand(n, k // 32, 1, generator=generator).half().float()
+    offset = -torch.rand(n, k // 32, 1, generator=generator) - 1e-4  # float32 values between float16's
+    assert not affine_weights.half_exact(offset)
+    return torch.addcmul(offset, codes, scale).reshape(n, k)
+
+
+def test_the_record_layout_holds_each_weights_code_scale_and_offset(monkeypatch):
     """Decode the panels by the layout `affine_kernel_ir` documents, in Python: the weight again, padding zero."""
+    monkeypatch.setattr(affine_weights, "half_exact", lambda values: False)  # the float32 record ("affine4")
     weight = q4_1(torch.randn(21, 64))
     packed = affine_weights.pack_stacked([weight[:5], weight[5:]])
     width = streamed_gemm.vector_width()
@@ -210,13 +228,51 @@ def test_the_record_layout_holds_each_weights_code_scale_and_offset():
     assert _bits_equal(decoded[:21], weight) and not decoded[21:].any()
 
 
+def test_the_float16_record_layout_holds_each_weights_code_scale_and_offset(monkeypatch):
+    """The "affine4h" record (AVX-512 width): d and m as the float16 halves of one word, then the code lanes."""
+    monkeypatch.setattr(streamed_gemm, "vector_width", lambda: 16)
+    weight = q4_1(torch.randn(21, 64))
+    packed = affine_weights.pack_stacked([weight[:5], weight[5:]])
+    assert packed.kind == "affine4h" and packed.in_features == 64 and packed.out_features == 21
+    panels = packed.panels
+    assert panels.shape == (2, 2, 5, 16) and panels.dtype == torch.int32
+    decoded = torch.empty(32, 64)
+    for column in range(32):
+        block, lane = divmod(column, 16)
+        for k in range(64):
+            record = panels[block, k // 32]
+            halves = record[0, lane:lane + 1].view(torch.int16)  # little-endian: d first, then m
+            scale, offset = halves[0:1].view(torch.float16).float(), halves[1:2].view(torch.float16).float()
+            code = (int(record[1 + (k % 32) // 8, lane]) >> (4 * (k % 8))) & 15
+            decoded[column, k] = torch.addcmul(offset, torch.tensor([float(code)]), scale)
+    assert _bits_equal(decoded[:21], weight) and not decoded[21:].any()
+
+
 @needs_kernel
 @pytest.mark.parametrize("width", [8, 16])
-@pytest.mark.parametrize("form, rounding", [("affine4", q4_1), ("scaled8", q8_0)])
+def test_offsets_float16_cannot_hold_keep_the_float32_record(width, monkeypatch):
+    monkeypatch.setattr(streamed_gemm, "vector_width", lambda: width)
+    streamed_gemm._kernel_address.cache_clear()
+    try:
+        weight = q4_1_float32_offsets(2 * width + 3, 64, seed=width)
+        packed = affine_weights.pack_stacked([weight])
+        assert packed.kind == "affine4"
+        x = torch.randn(3, 64)
+        assert torch.equal(streamed_gemm.product(x, packed), streamed_gemm.product(x, streamed_gemm.pack(weight)))
+    finally:
+        streamed_gemm._kernel_address.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("width, form, rounding", [(8, "affine4", q4_1), (16, "affine4", q4_1), (16, "affine4h", q4_1),
+                                                   (8, "scaled8", q8_0), (16, "scaled8", q8_0)])
 def test_products_are_bit_identical_to_the_float32_panels_for_any_row_count(monkeypatch, width, form, rounding):
     """Every row count from 1 to past two passes (rows computed several panels at once, panels left over, groups
-    of rows), with a bias, on the AVX2 and the AVX-512 layouts compiled here, one thread and two."""
+    of rows), with a bias, on the AVX2 and the AVX-512 layouts compiled here (with AVX-512, 4-bit weights with
+    float16 scales and offsets take the float16 record unless told not to), one thread and two."""
     monkeypatch.setattr(streamed_gemm, "vector_width", lambda: width)
+    if form == "affine4":
+        monkeypatch.setattr(affine_weights, "half_exact", lambda values: False)
     streamed_gemm._kernel_address.cache_clear()
     try:
         generator = torch.Generator().manual_seed(width)
@@ -264,7 +320,7 @@ def test_steps_on_compact_weights_equal_the_float32_panels_bit_for_bit(family):
             logits, _ = three_steps(model, prompt)
             kinds = {packed.streamed().kind for packed in packed_weights(model)}
         results[compact] = logits
-        assert kinds == ({"affine4", "scaled8"} if compact else {"float32"})
+        assert kinds == ({_four_bit_kind(), "scaled8"} if compact else {"float32"})
     for with_form, without in zip(results[True], results[False]):
         assert torch.equal(with_form, without)
 
@@ -282,7 +338,7 @@ def test_greedy_on_compact_weights_is_plain_greedy(family, extra, config, monkey
         fast = model.generate(prompt, do_sample=False, max_new_tokens=40, custom_generate=Lookahead(config))
         assert torch.equal(plain, fast)
     built = [packed.panels.kind for packed in packed_weights(model) if packed.panels is not None]
-    assert built.count("affine4") == 4 * 3  # per layer: the q/k/v and gate/up stacks, o and down
+    assert built.count(_four_bit_kind()) == 4 * 3  # per layer: the q/k/v and gate/up stacks, o and down
 
 
 @needs_kernel
