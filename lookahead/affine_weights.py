@@ -170,7 +170,7 @@ def _half_affine_panels(scales: torch.Tensor, offsets: torch.Tensor, codes: torc
     offsets that float16 holds exactly (`half_exact`)."""
     words = (scales.half().view(torch.int16).to(torch.int32) & 0xFFFF) | (
         offsets.half().view(torch.int16).to(torch.int32) << 16)
-    full = _affine_panels(words.view(torch.float32), torch.zeros_like(scales), codes)  # d's word holds both halves
+    full = _affine_panels(words, torch.zeros_like(words), codes)  # d's word holds both halves; m's is dropped
     return torch.cat([full[:, :, :1], full[:, :, 2:]], dim=2).contiguous()
 
 
@@ -189,8 +189,9 @@ def _scaled_panels(scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 def _records(per_block: list[torch.Tensor], codes: torch.Tensor, words: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int32 panels [N_pad / P, K / 32, words, P] whose first words hold `per_block`'s float32 values [N, K / 32]
-    as one word per column — the rest left for the codes —, `codes` [N, K] padded with zero rows to N_pad)."""
+    """(int32 panels [N_pad / P, K / 32, words, P] whose first words hold `per_block`'s 32-bit values [N, K / 32]
+    (float32, or int32 words) as one word per column — the rest left for the codes —, `codes` [N, K] padded with zero
+    rows to N_pad)."""
     width = streamed_gemm.vector_width()
     n, k = codes.shape
     pad, records = -n % width, k // AFFINE_BLOCK
