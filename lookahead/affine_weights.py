@@ -156,12 +156,7 @@ def pack_stacked(weights: list[torch.Tensor], bias: torch.Tensor | None = None) 
 def _affine_panels(scales: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """int32 words [N_pad / P, K / 32, 6, P] in the "affine4" record layout of `affine_kernel` (padding columns
     zero: d = m = q = 0 rebuild 0)."""
-    panels, codes = _records([scales, offsets], codes, RECORD_FLOATS["affine4"])
-    blocks, records, _, width = panels.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)  # step 8g + i in bits 4i … 4i + 3
-    lanes = (codes.to(torch.int32).reshape(-1, records, 4, 8) << shifts).sum(-1, dtype=torch.int32)
-    panels[:, :, 2:] = lanes.reshape(blocks, width, records, 4).permute(0, 2, 3, 1)  # lanes [N_pad, records, 4]
-    return panels
+    return _four_bit_panels([scales, offsets], codes, RECORD_FLOATS["affine4"])
 
 
 def _half_affine_panels(scales: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -170,8 +165,18 @@ def _half_affine_panels(scales: torch.Tensor, offsets: torch.Tensor, codes: torc
     offsets that float16 holds exactly (`half_exact`)."""
     words = (scales.half().view(torch.int16).to(torch.int32) & 0xFFFF) | (
         offsets.half().view(torch.int16).to(torch.int32) << 16)
-    full = _affine_panels(words, torch.zeros_like(words), codes)  # d's word holds both halves; m's is dropped
-    return torch.cat([full[:, :, :1], full[:, :, 2:]], dim=2).contiguous()
+    return _four_bit_panels([words], codes, RECORD_FLOATS["affine4h"])
+
+
+def _four_bit_panels(per_block: list[torch.Tensor], codes: torch.Tensor, words: int) -> torch.Tensor:
+    """int32 words [N_pad / P, K / 32, words, P]: `per_block`'s words first (`_records`), then the four code lanes
+    of 8 steps each, step 8g + i in bits 4i … 4i + 3 of lane g."""
+    panels, codes = _records(per_block, codes, words)
+    blocks, records, _, width = panels.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    lanes = (codes.to(torch.int32).reshape(-1, records, 4, 8) << shifts).sum(-1, dtype=torch.int32)
+    panels[:, :, len(per_block):] = lanes.reshape(blocks, width, records, 4).permute(0, 2, 3, 1)
+    return panels
 
 
 def half_exact(values: torch.Tensor) -> bool:

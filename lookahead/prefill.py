@@ -33,11 +33,11 @@ def prefill_by_prompt(model, inputs: dict, cache) -> torch.Tensor | None:
     if not _applies(model, inputs, ids, mask, positions, cache):
         return None
     batch, length = ids.shape
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inputs else {}
     logits, states = [], []
     for b in range(batch):
         real = mask[b].bool()
         single = DynamicCache()
-        keep = {"logits_to_keep": 1} if "logits_to_keep" in inputs else {}
         out = model(input_ids=ids[b, real][None], position_ids=positions[b, real][None], past_key_values=single,
                     use_cache=True, return_dict=True, **keep)
         logits.append(out.logits[0, -1])

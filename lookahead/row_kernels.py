@@ -38,7 +38,8 @@ MEASURE_BUDGET = 3.0  # seconds the timed rounds may take (at least 2 rounds)
 # against the default matmul, no longer against oneDNN; 3: the streamed kernel computes any row count in one pass
 # over the weights, probed up to 64 rows; 4: the streamed kernel may stream weights in their exact block form;
 # 5: several panels at once for few rows, AVX2 register tiles for 4-bit blocks;
-# 6: products above the streamed kernel's rows weighed between the default matmul and unpacked oneDNN).
+# 6: products above the streamed kernel's rows weighed between the default matmul and unpacked oneDNN;
+# 7: AVX-512 kernels with more panels a pass and float16 block records).
 CHOICE_VERSION = 7
 LARGE_PROBE = 128  # rows of the product (a short prompt's prefill) that decides the kernel above the streamed rows
 LARGE_ROUNDS = 3  # timed rounds of that product on each kernel
@@ -65,8 +66,8 @@ class RowKernels:
             parts.append(f"{span} rows on the streamed kernel")
         if not parts:
             return "all products on oneDNN's packed weights"
-        larger = {"default": "PyTorch's default matmul", "onednn": "oneDNN (unpacked)"}[self.large] \
-            if self.streamed_rows else "oneDNN's packed weights"
+        larger = ({"default": "PyTorch's default matmul", "onednn": "oneDNN (unpacked)"}[self.large]
+                  if self.streamed_rows else "oneDNN's packed weights")
         return ", ".join(parts) + f", more on {larger}"
 
 

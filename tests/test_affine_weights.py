@@ -43,12 +43,16 @@ def q8_0(weight: torch.Tensor) -> torch.Tensor:
     return (scale * codes.to(torch.int8).float()).reshape(n, k)  # integer codes: a zero weight is +0, never -0
 
 
-def q4_0(n: int, k: int, seed: int) -> torch.Tensor:
-    """A Q4_0-style weight: d·(q - 8), every block holding codes 0 and 15."""
-    generator = torch.Generator().manual_seed(seed)
+def _block_codes(n: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(4-bit codes [n, k / 32, 32], every block holding codes 0 and 15; float16-valued scales [n, k / 32, 1])."""
     codes = torch.randint(0, 16, (n, k // 32, 32), generator=generator)
     codes[..., 0], codes[..., 1] = 0, 15
-    scale = torch.rand(n, k // 32, 1, generator=generator).half().float()
+    return codes, torch.rand(n, k // 32, 1, generator=generator).half().float()
+
+
+def q4_0(n: int, k: int, seed: int) -> torch.Tensor:
+    """A Q4_0-style weight: d·(q - 8), every block holding codes 0 and 15."""
+    codes, scale = _block_codes(n, k, torch.Generator().manual_seed(seed))
     return (scale * (codes - 8)).reshape(n, k)
 
 
@@ -200,12 +204,10 @@ def q4_1_float32_offsets(n: int, k: int, seed: int) -> torch.Tensor:
     """A 4-bit weight fma(q, d, m) whose block offsets m float16 cannot hold (d float16, codes 0 and 15 in every
     block, so the form is found)."""
     generator = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k // 32, 32), generator=generator).float()
-    codes[..., 0], codes[..., 1] = 0, 15
-    scale = torch.rand(n, k // 32, 1, generator=generator).half().float()
+    codes, scale = _block_codes(n, k, generator)
     offset = -torch.rand(n, k // 32, 1, generator=generator) - 1e-4  # float32 values between float16's
     assert not affine_weights.half_exact(offset)
-    return torch.addcmul(offset, codes, scale).reshape(n, k)
+    return torch.addcmul(offset, codes.float(), scale).reshape(n, k)
 
 
 def test_the_record_layout_holds_each_weights_code_scale_and_offset(monkeypatch):

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from test_batch import padded_batch
 from tiny_models import (FUSED_ARCHITECTURES, build_tiny_model, fused_test_model, repetitive_prompt,
                          three_steps)
 
@@ -279,13 +280,10 @@ def test_batched_greedy_through_the_stack_is_plain_batched_greedy(name, monkeypa
     batches = []
     real = fused_stack.decoder_stack
     monkeypatch.setattr(fused_stack, "decoder_stack", lambda *args: batches.append(args[-1]) or real(*args))
-    for seed in range(3):
-        prompts = [repetitive_prompt(seed * 3 + i, length=length)[0] for i, length in enumerate((24, 16, 20))]
-        width = max(len(p) for p in prompts)
-        ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
-        mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]).long() for p in prompts])
+    for lengths in ((24, 16, 20), (18, 26, 12), (30, 10, 22)):
+        ids, mask = padded_batch(lengths)
         plain = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40)
         fast = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40,
                               custom_generate=Lookahead())
-        assert torch.equal(plain, fast), seed
+        assert torch.equal(plain, fast), lengths
     assert 3 in batches
