@@ -28,6 +28,7 @@ from .streamed_gemm import _launch
 
 _REDUCE = {"reassoc", "nsz", "contract"}  # reductions: vectorised sums (their own order, deterministic)
 _LOG2E = np.float32(1.4426950408889634)
+HIDDEN = np.float32(-1e30)  # a mask value at or below this hides its slot (masks use float32's lowest, -3.4e38)
 _EXP_FLOOR = np.float32(-87.0)  # exp of anything below is taken as 0 (true value < 1.7e-38)
 
 
@@ -147,40 +148,68 @@ def _weighted_values(weights, values, length, out):  # pragma: no cover - compil
         s += 1
 
 
-@numba.njit(parallel=True, nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True)
 def attend(queries, keys, values, length, mask, scale, threads, kernels, out):  # pragma: no cover - compiled
     """out[t, h] = softmax(queries[t, h] · keys[g]ᵀ · scale + mask[t]) · values[g] over the first `length` cached
     slots, g the key head of query head h (grouped-query); mask [rows, length] additive, or [0, 0]: none.
     kernels: the addresses of `attention_kernel`'s compiled `dots` and `weighted` for this head size, or empty
-    (numba's loops). The (row, query head) tasks run key head by key head, so a thread reads one head's keys and
-    values from its core's cache for all the rows and query heads that share them."""
+    (numba's loops). `attend_after` with no slot left out."""
+    attend_after(queries, keys, values, 0, length, mask, scale, threads, kernels, out)
+
+
+@numba.njit(nogil=True, cache=True)
+def hidden_lead(mask, first, end):  # pragma: no cover - compiled
+    """How many leading slots every row first…end - 1 of the additive mask [rows, slots] hides (a value at or
+    below HIDDEN: `attend` weighs such a slot exactly 0 for any score below 1e29 in size), at most all slots but
+    the last; 0 for the empty "none" mask."""
+    if mask.shape[0] == 0:
+        return 0
+    lead = mask.shape[1] - 1
+    for t in range(first, end):
+        s = 0
+        while s < lead and mask[t, s] <= HIDDEN:
+            s += 1
+        lead = s
+    return lead
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def attend_after(queries, keys, values, lead, length, mask, scale, threads, kernels,
+                 out):  # pragma: no cover - compiled
+    """`attend` over slots lead…length - 1 only: the first `lead` slots, which every row's mask hides (a left-padded
+    batch entry's padding, `hidden_lead`), are not read, so an entry computes what it computes without them, bit
+    for bit (its sums start at its first real slot). The (row, query head) tasks run key head by key head, so a
+    thread reads one head's keys and values from its core's cache for all the rows and query heads that share
+    them."""
     rows, query_heads, head_dim = queries.shape
     group = query_heads // keys.shape[0]
     tasks = rows * query_heads
     parts = max(1, min(threads, tasks))
+    count = length - lead
     for part in numba.prange(parts):
-        row = np.empty(length, np.float32)  # a task's scores, then its weights
-        powers = np.empty(length, np.float32)
+        row = np.empty(count, np.float32)  # a task's scores, then its weights
+        powers = np.empty(count, np.float32)
         for task in range(part * tasks // parts, (part + 1) * tasks // parts):
             kv, member = task // (rows * group), task % (rows * group)
             t, head = member // group, kv * group + member % group
+            seen_keys, seen_values = keys[kv][lead:], values[kv][lead:]
             if kernels.shape[0]:
-                call_dots(kernels[0], queries[t, head].ctypes.data, keys[kv].ctypes.data, length, row.ctypes.data,
+                call_dots(kernels[0], queries[t, head].ctypes.data, seen_keys.ctypes.data, count, row.ctypes.data,
                           scale)
             else:
-                _scores(queries[t, head], keys[kv], length, scale, row)
+                _scores(queries[t, head], seen_keys, count, scale, row)
             if mask.shape[0]:
-                for s in range(length):
-                    row[s] += mask[t, s]
+                for s in range(count):
+                    row[s] += mask[t, lead + s]
             top = row[0]
-            for s in range(1, length):
+            for s in range(1, count):
                 top = max(top, row[s])
-            _exp_below(row, length, top, powers)
-            inverse = np.float32(1.0) / _weights(row, powers, length)
+            _exp_below(row, count, top, powers)
+            inverse = np.float32(1.0) / _weights(row, powers, count)
             if kernels.shape[0]:
-                call_weighted(kernels[1], row.ctypes.data, values[kv].ctypes.data, length, out[t, head].ctypes.data)
+                call_weighted(kernels[1], row.ctypes.data, seen_values.ctypes.data, count, out[t, head].ctypes.data)
             else:
-                _weighted_values(row, values[kv], length, out[t, head])
+                _weighted_values(row, seen_values, count, out[t, head])
             for i in range(head_dim):
                 out[t, head, i] *= inverse
 
@@ -208,10 +237,11 @@ def decoder_layer(kernels, transpose, threads, dims, panels, floats, biases, nor
                   values, start, mask, attention, out):  # pragma: no cover - compiled
     """One Llama-style decoder layer for hidden [rows, size], the rows of B batch entries one entry after the other
     (keys/values [B, key heads, slots, D]; T = rows / B rows each), into out [rows, size]: the attention's inputs
-    (`attention_inputs`), `attend` of each entry's rows over its first start + T slots with its rows of mask
+    (`attention_inputs`), `attend_after` of each entry's rows over its first start + T slots with its rows of mask
     [rows, start + T] (additive, or [0, 0] for a lone row that sees every slot; `attention` its compiled loops'
-    addresses, or empty), the rest of the layer (`layer_output`). The products take all the rows at once; every
-    row's numbers are those it gets computed alone."""
+    addresses, or empty) from the first slot one of them sees (`hidden_lead`: a left-padded entry's padding is not
+    read), the rest of the layer (`layer_output`). The products take all the rows at once; every row's numbers are
+    those it gets computed alone, without its padding."""
     rows = hidden.shape[0]
     queries = np.empty((rows, dims[0], dims[2]), np.float32)
     attention_inputs(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
@@ -221,8 +251,8 @@ def decoder_layer(kernels, transpose, threads, dims, panels, floats, biases, nor
     for b in range(keys.shape[0]):
         first, end = b * per_entry, (b + 1) * per_entry
         entry_mask = mask[first:end] if mask.shape[0] else mask
-        attend(queries[first:end], keys[b], values[b], start + per_entry, entry_mask, floats[3], threads, attention,
-               attended[first:end])
+        attend_after(queries[first:end], keys[b], values[b], hidden_lead(mask, first, end), start + per_entry,
+                     entry_mask, floats[3], threads, attention, attended[first:end])
     layer_output(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, attended, out)
 
 

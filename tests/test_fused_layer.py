@@ -138,6 +138,43 @@ def test_attention_matches_float64_and_masked_keys_weigh_exactly_nothing(rows, c
 
 
 @pytest.mark.parametrize("loops", ["compiled", "numba"])
+@pytest.mark.parametrize("rows,cached,padding", [(1, 30, 11), (4, 25, 7), (3, 12, 1)])
+def test_a_padded_entry_attends_as_it_does_without_its_padding(rows, cached, padding, loops):
+    """Slots every row's mask hides at the front (a left-padded batch entry's padding) are skipped: the output is,
+    bit for bit, that of the same rows over the keys without those slots, whatever the padding slots hold (NaN
+    here: read at all, they would poison every row)."""
+    queries, keys, values, mask = _attention_inputs(rows, cached + padding, seed=5)
+    low = torch.finfo(torch.float32).min
+    mask[:, :padding] = low
+    if rows > 1:
+        mask[0, padding] = low  # one row hides one more slot: the lead is what every row hides
+    keys[:, :padding], values[:, :padding] = float("nan"), float("nan")
+    length = cached + padding + rows
+    assert fused_kernels.hidden_lead(mask.numpy(), 0, rows) == padding
+    padded, trimmed = (np.empty((rows, 6, 16), np.float32) for _ in range(2))
+    fused_kernels.attend_after(queries.numpy(), keys.numpy(), values.numpy(), padding, length, mask.numpy(),
+                               np.float32(0.25), 2, _loops(loops), padded)
+    fused_kernels.attend(queries.numpy(), keys[:, padding:].contiguous().numpy(),
+                         values[:, padding:].contiguous().numpy(), length - padding,
+                         mask[:, padding:].contiguous().numpy(), np.float32(0.25), 2, _loops(loops), trimmed)
+    assert np.array_equal(padded, trimmed) and not np.isnan(padded).any()
+
+
+def test_the_hidden_lead_is_what_every_row_hides_at_the_front():
+    low = np.float32(torch.finfo(torch.float32).min)
+    mask = np.zeros((3, 8), np.float32)
+    mask[0, :5] = low
+    mask[1, :3] = low
+    mask[2, :6] = low
+    assert fused_kernels.hidden_lead(mask, 0, 3) == 3
+    assert fused_kernels.hidden_lead(mask, 0, 1) == 5 and fused_kernels.hidden_lead(mask, 2, 3) == 6
+    mask[:, 3] = -1e20  # a large but not hiding value (e.g. a logit bias) ends the lead
+    assert fused_kernels.hidden_lead(mask, 0, 3) == 3 and fused_kernels.hidden_lead(mask, 0, 1) == 3
+    assert fused_kernels.hidden_lead(np.full((2, 4), low), 0, 2) == 3  # never every slot
+    assert fused_kernels.hidden_lead(np.empty((0, 0), np.float32), 0, 1) == 0  # the "none" mask
+
+
+@pytest.mark.parametrize("loops", ["compiled", "numba"])
 def test_attention_without_a_mask_sees_every_slot(loops):
     queries, keys, values, _ = _attention_inputs(1, 20, seed=3)
     out = np.empty((1, 6, 16), np.float32)

@@ -270,6 +270,56 @@ def test_a_batch_through_the_stack_computes_every_entry_as_it_computes_alone(nam
             assert torch.equal(one.keys[0], many.keys[b]) and torch.equal(one.values[0], many.values[b])
 
 
+@pytest.mark.parametrize("name", list(FUSED_ARCHITECTURES))
+def test_a_left_padded_entry_computes_what_it_computes_without_its_padding(name, monkeypatch):
+    """An entry whose cache starts with padding slots (left padding: zeros its mask hides) gets, in a batch step
+    through the stack, bit for bit the logits and new cache slots it gets alone from a cache without them: its
+    attention starts at its first real slot (`fused_kernels.hidden_lead`)."""
+    from transformers import DynamicCache
+
+    from lookahead.cache import make_compactable
+
+    model, padding = _model(name), 6
+    calls = []
+    real = fused_stack.decoder_stack
+    monkeypatch.setattr(fused_stack, "decoder_stack", lambda *args: calls.append(args[-1]) or real(*args))
+    short, long = repetitive_prompt(4, length=20), repetitive_prompt(5, length=20 + padding)
+    tokens = torch.tensor([[3, 9, 12, 5], [7, 7, 2, 30]])
+    low = torch.finfo(torch.float32).min
+    with torch.no_grad(), packed_linears(model), tree_attention(model), lean_layers(model):
+        apply_row_kernels(model, RowKernels(0, 16))
+        alone, batch = DynamicCache(), DynamicCache()
+        model(short, past_key_values=alone, use_cache=True)
+        model(long, past_key_values=batch, use_cache=True)
+        for layer, (one, two) in enumerate(zip(alone.layers, batch.layers)):
+            pad = one.keys.new_zeros(1, one.keys.shape[1], padding, one.keys.shape[3])
+            keys, values = torch.cat([pad, one.keys], 2), torch.cat([pad, one.values], 2)
+            two.keys, two.values = torch.cat([keys, two.keys]), torch.cat([values, two.values])
+        make_compactable(alone, model.config, 4096, batch_size=1)
+        make_compactable(batch, model.config, 4096, batch_size=2)
+        outs = {}
+        for key, cache, entries, hidden in (("alone", alone, tokens[:1], 0), ("batch", batch, tokens, padding)):
+            prefix = cache.get_seq_length()
+            positions = torch.arange(20, 24)[None].expand(len(entries), 4).clone()
+            positions[1:] += padding  # the long prompt's positions
+            steps = []
+            for rows in (slice(0, 1), slice(1, 4)):
+                count, cached = rows.stop - rows.start, cache.get_seq_length()
+                mask = torch.zeros(len(entries), 1, count, cached + count)
+                mask[0, 0, :, :hidden] = low
+                mask[:, 0, :, cached:] = torch.zeros(count, count).masked_fill(
+                    torch.ones(count, count, dtype=torch.bool).triu(1), low)
+                steps.append(model(input_ids=entries[:, rows], position_ids=positions[:, rows], attention_mask=mask,
+                                   past_key_values=cache, use_cache=True).logits)
+            outs[key] = (steps, prefix)
+    assert calls == [1, 1, 2, 2]  # every step on the stack, the batch's as one call
+    (lone, prefix), (many, _) = outs["alone"], outs["batch"]
+    for one, both in zip(lone, many, strict=True):
+        assert torch.equal(one[0], both[0])
+    for one, both in zip(alone.layers, batch.layers, strict=True):
+        assert torch.equal(one.keys[0, :, prefix:prefix + 4], both.keys[0, :, prefix + padding:prefix + padding + 4])
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_batched_greedy_through_the_stack_is_plain_batched_greedy(name, monkeypatch):
     """Left-padded batches of different prompts (entries stopping at different lengths on an EOS), speculating,
