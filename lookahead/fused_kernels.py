@@ -173,6 +173,20 @@ def hidden_lead(mask, first, end):  # pragma: no cover - compiled
     return lead
 
 
+@numba.njit(nogil=True, cache=True)
+def entry_leads(mask, entries):  # pragma: no cover - compiled
+    """`hidden_lead` of each of `entries` batch entries, whose rows are the mask's rows one entry after the other
+    (int64 [entries]; zeros for the empty "none" mask). A step's mask is every layer's, so a step computes them
+    once."""
+    leads = np.zeros(entries, np.int64)
+    if mask.shape[0] == 0:
+        return leads
+    per_entry = mask.shape[0] // entries
+    for b in range(entries):
+        leads[b] = hidden_lead(mask, b * per_entry, (b + 1) * per_entry)
+    return leads
+
+
 @numba.njit(parallel=True, nogil=True, cache=True)
 def attend_after(queries, keys, values, lead, length, mask, scale, threads, kernels,
                  out):  # pragma: no cover - compiled
@@ -234,14 +248,14 @@ def add_rows(a, b, columns, out):  # pragma: no cover - compiled
 
 @numba.njit(nogil=True, cache=True)
 def decoder_layer(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
-                  values, start, mask, attention, out):  # pragma: no cover - compiled
+                  values, start, mask, leads, attention, out):  # pragma: no cover - compiled
     """One Llama-style decoder layer for hidden [rows, size], the rows of B batch entries one entry after the other
     (keys/values [B, key heads, slots, D]; T = rows / B rows each), into out [rows, size]: the attention's inputs
     (`attention_inputs`), `attend_after` of each entry's rows over its first start + T slots with its rows of mask
     [rows, start + T] (additive, or [0, 0] for a lone row that sees every slot; `attention` its compiled loops'
-    addresses, or empty) from the first slot one of them sees (`hidden_lead`: a left-padded entry's padding is not
-    read), the rest of the layer (`layer_output`). The products take all the rows at once; every row's numbers are
-    those it gets computed alone, without its padding."""
+    addresses, or empty) from the first slot one of them sees (leads [B], `entry_leads` of the mask: a left-padded
+    entry's padding is not read), the rest of the layer (`layer_output`). The products take all the rows at once;
+    every row's numbers are those it gets computed alone, without its padding."""
     rows = hidden.shape[0]
     queries = np.empty((rows, dims[0], dims[2]), np.float32)
     attention_inputs(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, cos, folded_sin, keys,
@@ -251,8 +265,8 @@ def decoder_layer(kernels, transpose, threads, dims, panels, floats, biases, nor
     for b in range(keys.shape[0]):
         first, end = b * per_entry, (b + 1) * per_entry
         entry_mask = mask[first:end] if mask.shape[0] else mask
-        attend_after(queries[first:end], keys[b], values[b], hidden_lead(mask, first, end), start + per_entry,
-                     entry_mask, floats[3], threads, attention, attended[first:end])
+        attend_after(queries[first:end], keys[b], values[b], leads[b], start + per_entry, entry_mask, floats[3],
+                     threads, attention, attended[first:end])
     layer_output(kernels, transpose, threads, dims, panels, floats, biases, norms, hidden, attended, out)
 
 
@@ -274,13 +288,14 @@ def decoder_stack(kernels, transpose, threads, dims, panels, floats, biases, nor
     size]) and its cache's key and value slabs, contiguous float32 [batch, key heads, capacities[l], D] at the
     addresses slabs[l] ([layers, 2]; the caller keeps them alive); dims, the RoPE tables, start, mask and attention
     are every layer's."""
+    leads = entry_leads(mask, batch)
     for layer in range(panels.shape[0]):
         shape = (batch, dims[1], capacities[layer], dims[2])
         keys = numba.carray(_floats_at(slabs[layer, 0]), shape)
         values = numba.carray(_floats_at(slabs[layer, 1]), shape)
         out = np.empty_like(hidden)
         decoder_layer(kernels[layer], transpose, threads, dims, panels[layer], floats[layer], biases[layer],
-                      norms[layer], hidden, cos, folded_sin, keys, values, start, mask, attention, out)
+                      norms[layer], hidden, cos, folded_sin, keys, values, start, mask, leads, attention, out)
         hidden = out
     return hidden
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from . import attention_kernel, streamed_gemm
 from .cache_layer import SlabLayer
-from .fused_kernels import attention_inputs, decoder_layer, layer_output
+from .fused_kernels import attention_inputs, decoder_layer, entry_leads, layer_output
 from .packed_linear import FusedMember, PackedLinear
 
 _ATTENTIONS = ("sdpa", "lookahead_tree")  # implementations whose meaning the fused attention computes
@@ -97,7 +97,7 @@ class FusedLayer:
                   source)
         tables = (_plane(cos), _plane(folded_sin), *self._slabs(keys, values), start)
         if self.attends_compiled(rows, start):
-            decoder_layer(*common, *tables, mask, self.attention_loops, out_rows)
+            decoder_layer(*common, *tables, mask, entry_leads(mask, 1), self.attention_loops, out_rows)
             return out
         queries = torch.empty(rows, self.shape[0], self.shape[2])
         attention_inputs(*common, *tables, queries.numpy())

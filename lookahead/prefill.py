@@ -21,6 +21,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .cache_layer import SlabLayer
+
 _PLAIN_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "past_key_values", "use_cache",
                            "logits_to_keep", "cache_position", "return_dict"})
 
@@ -61,8 +63,7 @@ def _applies(model, inputs: dict, ids, mask, positions, cache) -> bool:
         return False
     layers = getattr(cache, "layers", None)
     return (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0 and bool(layers) and _full_attention(model)
-            and all(isinstance(layer, DynamicLayer) and type(layer).__name__ in ("DynamicLayer", "SlabLayer")
-                    for layer in layers))
+            and all(type(layer) in (DynamicLayer, SlabLayer) for layer in layers))
 
 
 def _full_attention(model) -> bool:

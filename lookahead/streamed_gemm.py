@@ -60,8 +60,8 @@ class StreamedWeight:
     """A weight [N, K] laid out as column panels for the streamed kernel; `panels` is [N_pad / P, K, P]
     (zero rows pad N to a multiple of P); `bias` [N] or None. float32 panels hold the weight itself; int8 panels
     (`quantize`) hold it rounded to `scales[n] · panels[…, n]`, and the product scales its output by `scales`;
-    "affine4", "affine4h" and "scaled8" panels [N_pad / P, K / 32, 6, 5 or 9, P] (int32 words) hold it exactly in
-    4-bit or 8-bit block form (`affine_weights`)."""
+    "affine4", "affine4h" and "scaled8" panels [N_pad / P, K / 32, W, P] (W = 6, 5 or 9 int32 words a record) hold
+    it exactly in 4-bit or 8-bit block form (`affine_weights`)."""
 
     panels: torch.Tensor
     out_features: int

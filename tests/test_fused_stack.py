@@ -291,7 +291,7 @@ def test_a_left_padded_entry_computes_what_it_computes_without_its_padding(name,
         alone, batch = DynamicCache(), DynamicCache()
         model(short, past_key_values=alone, use_cache=True)
         model(long, past_key_values=batch, use_cache=True)
-        for layer, (one, two) in enumerate(zip(alone.layers, batch.layers)):
+        for one, two in zip(alone.layers, batch.layers):
             pad = one.keys.new_zeros(1, one.keys.shape[1], padding, one.keys.shape[3])
             keys, values = torch.cat([pad, one.keys], 2), torch.cat([pad, one.values], 2)
             two.keys, two.values = torch.cat([keys, two.keys]), torch.cat([values, two.values])
