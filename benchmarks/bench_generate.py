@@ -49,11 +49,12 @@ ABLATION = {
     "lookahead_window": dict(pool_from_text=False, prompt_candidates=0, recycle_nodes=0),
     "lookahead_recycle": dict(window_levels=0, pool_candidates=0, prompt_candidates=0),
 }
+HEAD_METHOD = "lookahead_head"  # `--head`: the lookahead config with the learned draft head shipped for the model
 SAMPLED_METHODS = ("hf_sample", "lookahead_sample")  # `--sample`
 SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.95)
 SAMPLE_SEED = 1234  # lookahead_sample's Gumbel seed
 METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted", "lookahead", "lookahead_draft", "lookahead_off",
-           "lookahead_fp32_head", *ABLATION, *SAMPLED_METHODS)
+           "lookahead_fp32_head", HEAD_METHOD, *ABLATION, *SAMPLED_METHODS)
 DEFAULT_METHODS = ("hf_greedy", "hf_prompt_lookup", "lookahead", "lookahead_off")
 DRAFT_METHODS = ("hf_assisted", "lookahead_draft")  # need a draft model; added to the defaults when one is given
 # Speedups are reported against each baseline that ran: sampled methods against HF sampling only, greedy ones
@@ -119,6 +120,7 @@ def method_kwargs(methods, config, prompt_lookup_tokens: int, draft_model) -> di
         "lookahead_draft": lambda: {"custom_generate": Lookahead(config, draft_model=draft_model)},
         "lookahead_off": lambda: {"custom_generate": Lookahead(LookaheadConfig.off())},
         "lookahead_fp32_head": lambda: {"custom_generate": Lookahead(config.with_overrides(argmax_head=False))},
+        HEAD_METHOD: lambda: {"custom_generate": Lookahead(config.with_overrides(draft_head="auto"))},
         "hf_sample": lambda: dict(SAMPLING),
         "lookahead_sample": lambda: {"custom_generate": Lookahead(config.with_overrides(seed=SAMPLE_SEED)),
                                      **SAMPLING},
@@ -325,6 +327,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="self-speculative draft: the model's own first N layers and LM head")
     parser.add_argument("--ablation", action="store_true",
                         help=f"add each model-free drafter alone: {' '.join(ABLATION)}")
+    parser.add_argument("--head", action="store_true",
+                        help=f"add {HEAD_METHOD}: lookahead with the learned draft head shipped for the model")
     parser.add_argument("--sample", action="store_true",
                         help="add sampled runs (T=0.7, top_p=0.95): hf_sample and lookahead_sample (seeded)")
     parser.add_argument("--warm-recycle", action="store_true",
@@ -336,7 +340,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     has_draft = args.draft_model is not None or args.draft_layers is not None
     if args.methods is None:
         args.methods = [*DEFAULT_METHODS, *(DRAFT_METHODS if has_draft else ())]
-    extra = [*(ABLATION if args.ablation else ()), *(SAMPLED_METHODS if args.sample else ())]
+    extra = [*((HEAD_METHOD,) if args.head else ()), *(ABLATION if args.ablation else ()),
+             *(SAMPLED_METHODS if args.sample else ())]
     args.methods += [m for m in extra if m not in args.methods]
     needing = [m for m in args.methods if m in DRAFT_METHODS]
     if needing and not has_draft:

@@ -7,9 +7,10 @@ import sys
 import click
 
 from lookahead.cli.calibrate import calibrate
-from lookahead.cli.options import (arithmetic_options, build_config, datastore_options, draft_choice,
+from lookahead.cli.options import (arithmetic_options, build_config, datastore_options, draft_choice, head_options,
                                    placement_kwargs, read_prompt, sampling_kwargs)
 from lookahead.cli.serve import serve
+from lookahead.cli.train_head import train_head
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
@@ -53,6 +54,7 @@ def main() -> None:
               help='Split the model over devices/CPU/disk (accelerate): "auto" or a JSON object {module: device}.')
 @click.option("--offload-folder", type=click.Path(file_okay=False), default=None,
               help='Folder for weights a --device-map puts on "disk".')
+@head_options
 @datastore_options
 @arithmetic_options
 def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sample, temperature, top_k, top_p,
@@ -77,6 +79,7 @@ def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sam
 
 main.add_command(serve)
 main.add_command(calibrate)
+main.add_command(train_head)
 
 
 if __name__ == "__main__":  # pragma: no cover

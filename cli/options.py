@@ -77,6 +77,28 @@ def arithmetic_options(command):
                              "SDPA; CUDA: the Triton tree kernel); sdpa: the model's own; triton: CUDA only.")(command)
 
 
+def head_options(command):
+    """Add `--draft-head FILE` and `--head-candidates N` (the knobs `draft_head`, `head_candidates`) to a command."""
+    command = click.option("--head-candidates", type=click.IntRange(0, 16), default=None,
+                           help="Tokens the learned draft head proposes after the root each step (0 = off).")(command)
+    return click.option("--draft-head", metavar="auto|FILE", default=None,
+                        help="Add the learned draft head: auto = the one shipped for the model, or a file from "
+                             "`lookahead train-head`. Outputs do not change.")(command)
+
+
+def check_head(model, config: LookaheadConfig):
+    """The draft head `config` asks for, loaded for `model` (None when there is none or it is off); raises
+    `click.ClickException` for a file that is not a head for this model."""
+    from lookahead.head_files import head_for
+
+    if not (config.draft_head and config.head_candidates and config.tree_budget):
+        return None
+    try:
+        return head_for(model, config.draft_head)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
 def datastore_options(command):
     """Add `--datastore PATH` (repeatable) and `--datastore-tokens N` to a command."""
     command = click.option("--datastore-tokens", type=click.IntRange(min=1), default=DEFAULT_DATASTORE_TOKENS,

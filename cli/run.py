@@ -8,7 +8,7 @@ import time
 import click
 import torch
 
-from lookahead.cli.options import check_datastore, open_datastore
+from lookahead.cli.options import check_datastore, check_head, open_datastore
 from lookahead.config import LookaheadConfig
 from lookahead.hf import Lookahead
 from lookahead.models import ModelLoadError, load_draft, load_model
@@ -31,6 +31,7 @@ def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: 
         draft_model = _load_draft(model, tokenizer, draft)
     except (ModelLoadError, ValueError) as exc:
         raise click.ClickException(f"draft model: {exc}") from exc
+    check_head(model, config)
     input_ids = _encode(tokenizer, text, chat)
     _check_context(model, input_ids.shape[1], max_new_tokens)
     paths, max_tokens = datastore

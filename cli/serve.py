@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from lookahead.cli.options import (arithmetic_options, build_config, check_datastore, datastore_options,
-                                   open_datastore)
+from lookahead.cli.options import (arithmetic_options, build_config, check_datastore, check_head, datastore_options,
+                                   head_options, open_datastore)
 
 
 @click.command()
@@ -43,6 +43,7 @@ from lookahead.cli.options import (arithmetic_options, build_config, check_datas
 @click.option("--window-levels", type=click.IntRange(0, 8), default=None, help="Jacobi window levels (0 = off).")
 @click.option("--window-columns", type=click.IntRange(1, 64), default=None, help="Jacobi window columns.")
 @click.option("--tree-budget", type=click.IntRange(0, 1024), default=None, help="Draft tree nodes per step.")
+@head_options
 @datastore_options
 @arithmetic_options
 def serve(model_path, host, port, model_name, mode, cache_tokens, context_length, max_body_bytes, max_queue,
@@ -105,6 +106,7 @@ def _build_app(model_path, settings, threads: int | None, cache_tokens: int, dat
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from exc
     config = settings.config
+    check_head(model, config)  # a head file that is not one for this model fails here, not at the first request
     drafts_shared = cache_tokens > 0 and config.tree_budget > 0 and config.shared_candidates > 0
     bound = cache_tokens + (datastore_tokens if datastore else 0)
     cache = SuffixCache(max_tokens=bound) if drafts_shared or datastore else None

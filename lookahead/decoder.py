@@ -12,6 +12,7 @@ import torch
 from .budget import BatchPlanner
 from .cache import keep_rows_batched, keep_sequences
 from .config import LookaheadConfig
+from .hidden_tap import hidden_tap
 from .layout import pack_batch, sliding_window
 from .prefill import prefill_by_prompt
 from .request import DecodeRequest
@@ -57,6 +58,7 @@ class Decoder:
                                                                 request.draft_model is not None),
                                           request.follow_timings)
         self.window = sliding_window(model.config)  # the step masks apply it (the cache keeps every slot)
+        self.tap = None  # the hidden-state tap while `run()` runs with a draft head
         self.rest = DraftRest(config.rest_drafters and request.input_ids.shape[0] == 1
                               and request.cost_curve is not None and self.batch_planner.timed)
 
@@ -64,9 +66,11 @@ class Decoder:
     def run(self) -> torch.Tensor:
         """Generate until every sequence is done; returns [B, L + new] token ids (on the input's device)."""
         start = time.perf_counter()
-        self._prefill()
-        while self.active:
-            self._step()
+        with hidden_tap(self.model, self.request.draft_head is not None and self.config.head_candidates > 0) as tap:
+            self.tap = tap
+            self._prefill()
+            while self.active:
+                self._step()
         self.stats.total_time = time.perf_counter() - start
         if self.request.streamer is not None:
             self.request.streamer.end()
@@ -98,6 +102,7 @@ class Decoder:
         if copies > 1:
             keep_sequences(self.cache, [b // copies for b in range(len(prompts))])
         self.prefix_len = self.cache.get_seq_length()
+        hidden = self._prefill_hidden(len(prompts) // copies)
         positions, mask = inputs.get("position_ids"), request.prompt_kwargs.get("attention_mask")
         vocab = self.model.config.get_text_config().vocab_size
         for b, prompt in enumerate(prompts):
@@ -107,6 +112,7 @@ class Decoder:
                                 use_window=len(prompts) == 1)
             tokens = sequence.commit([sequence.first_token(logits[first])], request.max_length, self.cut_at_stop)
             sequence.drafters.observe(sequence.ids[: sequence.length])
+            sequence.drafters.observe_hidden(None if hidden is None else hidden[first])
             self._stream(tokens)
             self.sequences.append(sequence)
         self.stats.prefill_time = time.perf_counter() - t0
@@ -127,11 +133,14 @@ class Decoder:
                             attention_mask=inputs.attention_mask, past_key_values=self.cache,
                             use_cache=True, return_dict=True).logits  # [B, T, V]
         t2 = time.perf_counter()
+        hidden = self.tap.last() if self.tap is not None else None  # [B, T, size]: the LM head's input
         limit = self._limit()
         steps = [self._verify(step, logits[b, : inputs.n_tree[b]], limit) for b, step in enumerate(steps)]
         slots = keep_rows_batched(self.cache, self.prefix_len, [s.kept_nodes for s in steps])
         for b, step in enumerate(steps):
             window_logits = logits[b, inputs.n_tree[b]:] if step.use_window else None
+            if hidden is not None:  # the row that chose the next root
+                step.sequence.drafters.observe_hidden(hidden[b, step.kept_nodes[-1]].clone())
             step.sequence.advance(step.committed, step.use_window, window_logits, self.prefix_len, slots)
             self._stream(step.committed)
             self.stats.record_step(len(step.committed), inputs.input_ids.shape[1],
@@ -144,6 +153,15 @@ class Decoder:
         end = time.perf_counter()
         self.stats.verify_time += end - t2
         self.rest.record(drafted, len(steps[0].committed), end - t0, t2 - t1, self.batch_planner.observed.plain_seconds)
+
+    def _prefill_hidden(self, prompts: int) -> torch.Tensor | None:
+        """[prompts, size] the hidden state of each prompt's last position as the prefill's LM head received it (one
+        batched forward or one per prompt), or None when not tapped or not one row per prompt."""
+        if self.tap is None:
+            return None
+        seen = self.tap.take()
+        rows = torch.cat([h[:, -1] for h in seen]) if seen else None
+        return rows if rows is not None and rows.shape[0] == prompts else None
 
     def _verify(self, step: SequenceStep, logits: torch.Tensor, limit: int) -> SequenceStep:
         """`step` with the rule's verdict on its tree rows' raw logits [N, V] and the tokens it commits (the text

@@ -10,6 +10,7 @@ from transformers import LogitsProcessorList, PreTrainedModel, StoppingCriteriaL
 from transformers.generation.streamers import BaseStreamer
 
 from .cost_curve import CostCurve
+from .draft_head import DraftHead
 from .drafters import SharedDrafter
 from .recycle import RecycleTable
 
@@ -31,7 +32,8 @@ class DecodeRequest:
     and refreshes (shared across calls; None = a private one); record_scores: keep every generated token's
     raw logits and processed scores for `Decoder.step_outputs`; copies: `num_return_sequences` (transformers
     has already repeated each prompt into that many adjacent sequences of `input_ids` and `prompt_kwargs`);
-    follow_timings: correct the curve by the generation's own timed steps (False: plan on the curves alone).
+    follow_timings: correct the curve by the generation's own timed steps (False: plan on the curves alone);
+    draft_head: a learned head that drafts the token after the root from the target's hidden state (None: none).
     """
 
     input_ids: torch.Tensor
@@ -51,3 +53,4 @@ class DecodeRequest:
     record_scores: bool = False
     copies: int = 1
     follow_timings: bool = True
+    draft_head: DraftHead | None = None

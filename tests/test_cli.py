@@ -260,3 +260,45 @@ def test_datastore_without_text_is_a_one_line_error(tiny_folder, tmp_path):
     result = _run("hi", "--model", str(folder), "--datastore", str(tmp_path))
     assert result.exit_code == 1 and "no UTF-8 text files in datastore paths" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_draft_head_for_another_model_or_not_a_head_is_a_one_line_error(tiny_folder, tmp_path):
+    from lookahead.head_files import save_head
+    from lookahead.head_training import HeadNet, head_weights
+
+    folder, _, _ = tiny_folder
+    not_a_head = tmp_path / "head.safetensors"
+    not_a_head.write_text("hello")
+    result = _run("hi", "--model", str(folder), "--draft-head", str(not_a_head))
+    assert result.exit_code != 0 and "not a readable draft head" in result.output and "Traceback" not in result.output
+    other = tiny_model("llama", dtype=torch.float32, seed=9, vocab=64)
+    save_head(not_a_head, head_weights(HeadNet(32, 16)), torch.arange(8), other, "test")
+    result = _run("hi", "--model", str(folder), "--draft-head", str(not_a_head))
+    assert result.exit_code != 0 and "was trained for" in result.output and "Traceback" not in result.output
+    result = _run("hi", "--model", str(folder), "--draft-head", str(tmp_path / "missing.safetensors"))
+    assert result.exit_code != 0 and "does not exist" in result.output
+    result = _run("hi", "--model", str(folder), "--draft-head", "auto")
+    assert result.exit_code != 0 and "no draft head ships for this model" in result.output
+
+
+def test_train_head_writes_a_head_that_generate_uses(tiny_folder, tmp_path):
+    folder, model, tokenizer = tiny_folder
+    out, data = tmp_path / "tiny-head.safetensors", tmp_path / "texts.pt"
+    args = ["train-head", str(out), "--model", str(folder), "--sequences", "4", "--epochs", "2", "--batch", "2",
+            "--data", str(data)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "distilled" in result.stderr and "held-out top-1" in result.output and out.is_file() and data.is_file()
+    again = CliRunner().invoke(main, args)  # the texts are read back, not distilled again
+    assert again.exit_code == 0 and "read 4 distilled texts" in again.stderr
+    prompt = "def fibonacci(n):"
+    result = _run(prompt, "--model", str(folder), "--max-new-tokens", "16", "--draft-head", str(out))
+    assert result.exit_code == 0, result.output
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    plain = model.generate(ids, max_new_tokens=16, do_sample=False)
+    assert result.stdout.strip() == tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def test_train_head_refuses_a_missing_output_folder(tmp_path):
+    result = CliRunner().invoke(main, ["train-head", str(tmp_path / "no" / "head.safetensors")])
+    assert result.exit_code != 0 and "does not exist" in result.output and "Traceback" not in result.output

@@ -182,3 +182,22 @@ def test_default_model_lean_layers_give_bit_identical_logits(default_model):
             assert installed == model.config.num_hidden_layers
             lean = forwards()
     assert all(torch.equal(a, b) for a, b in zip(own, lean, strict=True))
+
+
+def test_default_model_ships_its_draft_head_and_its_drafts_are_accepted(default_model):
+    """The packaged learned head is found for the default model by its fingerprint (`draft_head="auto"`), its
+    proposals are accepted on chat prompts (where copying drafters find least), and the output stays plain
+    greedy's."""
+    from lookahead.head_files import find_head
+
+    model, tokenizer = default_model
+    assert find_head(model) is not None
+    accepted = 0
+    for index in (8, 9):  # writing prompts, chat template
+        _, text, chat = _cases()[index]
+        prompt = _encode(tokenizer, text, chat)
+        decoder = Lookahead(LookaheadConfig(draft_head="auto"), cost_curve=INJECTED_CURVE)
+        fast = model.generate(prompt, do_sample=False, max_new_tokens=MAX_NEW_TOKENS, custom_generate=decoder)
+        _assert_same_or_near_tie(model, prompt, fast)
+        accepted += decoder.last_stats.accepted_by_drafter.get("head", 0)
+    assert accepted > 0

@@ -143,7 +143,7 @@ def test_drafters_merge_recycled_nodes_with_class_sources_and_share_the_table():
     assert by_path[(2,)] == RECYCLE and by_path[(2, 5)] == RECYCLE + 1  # a confident and a less confident top-1
     assert by_path[(3,)] == by_path[(2, 6)] == RECYCLE + 2 and by_path[(4,)] == by_path[(2, 7)] == RECYCLE + 3
     assert {SOURCE_DRAFTER[s] for s in by_path.values()} == {"recycle"}
-    assert len(SOURCE_DRAFTER) == RECYCLE + RECYCLE_SOURCES
+    assert SOURCE_DRAFTER[RECYCLE + RECYCLE_SOURCES:] == ("head",) * (len(SOURCE_DRAFTER) - RECYCLE - RECYCLE_SOURCES)
     off = Drafters(config.with_overrides(recycle_nodes=0), 16, np.array([9, 1]), recycle_table=table)
     assert off.draft(1, max_len=3).size == 1
 

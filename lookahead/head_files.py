@@ -1,0 +1,108 @@
+"""Draft head files: saving and loading a trained `DraftHead`, and finding the one made for a model.
+
+A head file is a safetensors file: the head's tensors (fp16; see `draft_head.DraftHead`), its output vocabulary
+`vocab` [n] int64, and text metadata — `format` ("lookahead-draft-head"), `fingerprint` (of the model it was trained
+for, `model_fingerprint`), `model` (a human-readable name) and `trained` (how it was made). Heads shipped with the
+package live in `lookahead/heads/`; `find_head(model)` returns the one whose fingerprint is the model's, and
+`head_for(model, "auto")` loads it.
+
+A head used with another model than its own is not wrong, only useless: it only proposes drafts, which
+verification checks. The fingerprint keeps a head from being picked for a model it was not trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import weakref
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .draft_head import DraftHead
+
+FORMAT = "lookahead-draft-head"
+PACKAGED = Path(__file__).parent / "heads"
+_LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → {path: DraftHead}
+_LOCK = threading.Lock()
+
+
+def model_fingerprint(model) -> str:
+    """A short hex digest of what ties a head to `model`: its hidden size, vocabulary size and layer count and the
+    bytes of its first 64 input embedding rows and of its final norm's weight (when it has one)."""
+    config = model.config.get_text_config()
+    digest = hashlib.sha256(f"{config.hidden_size}/{config.vocab_size}/{config.num_hidden_layers}".encode())
+    digest.update(model.get_input_embeddings().weight.detach()[:64].float().contiguous().numpy().tobytes())
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    if getattr(norm, "weight", None) is not None:
+        digest.update(norm.weight.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def save_head(path: str | Path, weights: dict[str, torch.Tensor], vocab: torch.Tensor, model, trained: str) -> None:
+    """Write a head file for `model` at `path` (see the module docstring); `trained`: how the head was made."""
+    tensors = {name: value.detach().to(torch.float16).contiguous() for name, value in weights.items()}
+    tensors["vocab"] = vocab.long().contiguous()
+    name = getattr(model.config, "name_or_path", "") or type(model).__name__
+    save_file(tensors, str(path), metadata={"format": FORMAT, "fingerprint": model_fingerprint(model),
+                                            "model": name, "trained": trained})
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The text metadata of the head file at `path`. Raises `ValueError` when it is not a head file."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except Exception as error:  # noqa: BLE001 — any unreadable file is reported the same way
+        raise ValueError(f"{path} is not a readable draft head file ({error})") from None
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a lookahead draft head file (format {metadata.get('format')!r})")
+    return metadata
+
+
+def load_head(path: str | Path, model) -> DraftHead:
+    """The head in the file at `path`, bound to `model`'s input embeddings. Raises `ValueError` when the file is not
+    a head file, was made for another model, or does not fit the model's sizes."""
+    metadata = read_metadata(path)
+    if metadata.get("fingerprint") != model_fingerprint(model):
+        raise ValueError(f"draft head {path} was trained for {metadata.get('model')!r} "
+                         f"(fingerprint {metadata.get('fingerprint')}), not this model ({model_fingerprint(model)})")
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    vocab = tensors.pop("vocab")
+    return DraftHead(tensors, vocab, model.get_input_embeddings().weight)
+
+
+def find_head(model) -> Path | None:
+    """The packaged head file made for `model` (matching fingerprint), or None."""
+    fingerprint = model_fingerprint(model)
+    for path in sorted(PACKAGED.glob("*.safetensors")):
+        try:
+            if read_metadata(path).get("fingerprint") == fingerprint:
+                return path
+        except ValueError:
+            continue
+    return None
+
+
+def head_for(model, spec: str = "auto") -> DraftHead:
+    """The `DraftHead` for `model`: `spec` "auto" the packaged head made for the model, else the head file at path
+    `spec`. Loaded once per model and file, then shared (a server's requests, a `Lookahead`'s calls). Raises
+    `ValueError` when "auto" finds no head for the model, the file does not exist, or as `load_head` does."""
+    if spec == "auto":
+        chosen = find_head(model)
+        if chosen is None:
+            raise ValueError("no draft head ships for this model; make one with `lookahead train-head OUT` and pass "
+                             "its path as draft_head (--draft-head)")
+    else:
+        chosen = Path(spec)
+        if not chosen.is_file():
+            raise ValueError(f"draft head file {spec} does not exist")
+    with _LOCK:
+        heads = _LOADED.setdefault(model, {})
+        key = str(chosen.resolve())
+        if key not in heads:
+            heads[key] = load_head(chosen, model)
+        return heads[key]

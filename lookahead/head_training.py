@@ -1,0 +1,227 @@
+"""Making a draft head (`draft_head.py`) for a model by self-distillation: no outside text, only the model's own.
+
+1. `distill`: the model writes its own training text. It samples user messages in its chat template (the text of
+   a user turn up to where the message goes, then T = 1), answers them greedily (lookahead, batched), and every
+   `plain_every`-th batch continues short openings of code and prose instead ("def ", "The ", ...). A
+   teacher-forced forward of each text gives, at every position, the final normed hidden state (what the LM head
+   reads) and the model's argmax there: the head's inputs and labels.
+2. `fit`: a `HeadNet` learns, at every position t, to predict the model's argmax at t + 1 from the hidden state at
+   t and the embedding of the token at t + 1 (cross-entropy over the `vocab_size` tokens the labels use most;
+   AdamW, one-cycle schedule), reporting held-out top-1 accuracy after every epoch.
+3. `head_weights` gives the tensors `head_files.save_head` writes.
+
+The head only proposes drafts, so nothing here can change an output: a poor head costs speed, never tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .draft_head import NORM_EPS
+
+PLAIN_OPENINGS = ("def ", "import ", "class ", "# ", "The ", "In ", "from ", "    ")
+_MARKER = "\u2063LOOKAHEAD-USER-TEXT\u2063"
+
+
+@dataclass
+class Example:
+    """One distilled text: ids [n] int64, hidden [n, size] float16 (the LM head's input at each position) and
+    argmax [n] int64 (the model's greedy choice after each position)."""
+
+    ids: torch.Tensor
+    hidden: torch.Tensor
+    argmax: torch.Tensor
+
+
+def user_turn_prefix(tokenizer) -> str:
+    """The chat-template text that precedes a user message (system turn included). Raises `ValueError` when the
+    tokenizer has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("distilling a draft head needs a tokenizer with a chat template")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}], tokenize=False)
+    return text[: text.index(_MARKER)]
+
+
+def distill(model, tokenizer, sequences: int, seed: int = 0, batch: int = 32, user_tokens: int = 64,
+            answer_tokens: int = 128, plain_every: int = 3, progress: Callable[[str], None] | None = None
+            ) -> list[Example]:
+    """At least `sequences` texts written by `model` itself (see the module docstring), batch by batch."""
+    from .hf import Lookahead
+    from .config import LookaheadConfig
+
+    torch.manual_seed(seed)
+    tokenizer = copy.deepcopy(tokenizer)  # padded on the left, with a pad token: the caller's stays as it is
+    end = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token else tokenizer.convert_ids_to_tokens(0)
+    pad = tokenizer.pad_token_id
+    tokenizer.padding_side = "left"
+    sample, greedy = Lookahead(LookaheadConfig.off()), Lookahead()
+    prefix, examples, start = user_turn_prefix(tokenizer), [], time.perf_counter()
+    round_ = 0
+    while len(examples) < sequences:
+        if round_ % plain_every == plain_every - 1:
+            texts = _sampled(model, tokenizer, [PLAIN_OPENINGS[i % len(PLAIN_OPENINGS)] for i in range(batch)],
+                             user_tokens, sample, end, pad, keep_prompt=True)
+        else:
+            users = [u.strip() for u in _sampled(model, tokenizer, [prefix] * batch, user_tokens, sample, end, pad)]
+            chats = [tokenizer.apply_chat_template([{"role": "user", "content": u}], tokenize=False,
+                                                   add_generation_prompt=True) for u in users if len(u) > 8]
+            texts = _answered(model, tokenizer, chats, answer_tokens, greedy, end, pad)
+        examples += [_teacher_forced(model, ids) for ids in texts]
+        round_ += 1
+        if progress is not None:
+            progress(f"distilled {len(examples)}/{sequences} texts, {sum(len(e.ids) for e in examples)} positions, "
+                     f"{time.perf_counter() - start:.0f}s")
+    return examples[:sequences]
+
+
+def _sampled(model, tokenizer, prompts: list[str], tokens: int, decoder, end, pad, keep_prompt: bool = False):
+    """Texts the model samples (T = 1) after each of `prompts`: decoded strings, or the prompt and sample's token
+    ids [n] when `keep_prompt`."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=tokens,
+                             eos_token_id=end, pad_token_id=pad, custom_generate=decoder)
+    if keep_prompt:
+        return [_trimmed(row, enc.attention_mask[i], end) for i, row in enumerate(out)]
+    return [tokenizer.decode(row[enc.input_ids.shape[1]:], skip_special_tokens=True) for row in out]
+
+
+def _answered(model, tokenizer, chats: list[str], tokens: int, decoder, end, pad) -> list[torch.Tensor]:
+    """Each chat prompt and its greedy answer, as token ids [n] (padding dropped, cut after the first end token)."""
+    if not chats:
+        return []
+    enc = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=tokens, eos_token_id=end, pad_token_id=pad,
+                             custom_generate=decoder)
+    return [_trimmed(row, enc.attention_mask[i], end) for i, row in enumerate(out)]
+
+
+def _trimmed(row: torch.Tensor, mask: torch.Tensor, end: int | None) -> torch.Tensor:
+    """`row` without its left padding (per `mask` over the prompt part) and cut after the first end token that
+    follows the prompt."""
+    prompt_len = len(mask)
+    prompt, rest = row[:prompt_len][mask.bool()], row[prompt_len:]
+    stop = (rest == end).nonzero() if end is not None else []
+    if len(stop):
+        rest = rest[: int(stop[0]) + 1]
+    return torch.cat([prompt, rest])
+
+
+def _teacher_forced(model, ids: torch.Tensor) -> Example:
+    """The `Example` of the text `ids` [n]: one forward, its last hidden states and argmaxes."""
+    with torch.no_grad():
+        out = model(ids[None], output_hidden_states=True)
+    return Example(ids.clone(), out.hidden_states[-1][0].to(torch.float16), out.logits[0].argmax(-1))
+
+
+class HeadNet(nn.Module):
+    """The trainable form of `draft_head.DraftHead` (the same function): fc over [hidden; next embedding], then
+    `blocks` residual SiLU-gated MLP blocks with RMS norms; scores over given output embedding rows."""
+
+    def __init__(self, size: int, inter: int, blocks: int = 1):
+        super().__init__()
+        self.fc = nn.Linear(2 * size, size)
+        self.norms = nn.ParameterList(nn.Parameter(torch.ones(size)) for _ in range(blocks))
+        self.gates = nn.ModuleList(nn.Linear(size, inter, bias=False) for _ in range(blocks))
+        self.ups = nn.ModuleList(nn.Linear(size, inter, bias=False) for _ in range(blocks))
+        self.downs = nn.ModuleList(nn.Linear(inter, size, bias=False) for _ in range(blocks))
+        for down in self.downs:
+            nn.init.zeros_(down.weight)  # each block starts as the identity
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """[T, size] head states for hidden [T, size] and the next tokens' embeddings [T, size]."""
+        a = self.fc(torch.cat([hidden, embedded], dim=-1))
+        for norm, gate, up, down in zip(self.norms, self.gates, self.ups, self.downs):
+            x = norm * a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+            a = a + down(F.silu(gate(x)) * up(x))
+        return a
+
+
+def head_weights(net: HeadNet) -> dict[str, torch.Tensor]:
+    """The tensors of `net` under the names `draft_head.DraftHead` reads."""
+    weights = {"fc.weight": net.fc.weight, "fc.bias": net.fc.bias}
+    for i in range(len(net.norms)):
+        weights.update({f"blocks.{i}.norm": net.norms[i], f"blocks.{i}.gate": net.gates[i].weight,
+                        f"blocks.{i}.up": net.ups[i].weight, f"blocks.{i}.down": net.downs[i].weight})
+    return {name: value.detach().clone() for name, value in weights.items()}
+
+
+def label_vocabulary(examples: list[Example], vocab_size: int, total: int) -> torch.Tensor:
+    """The (at most) `vocab_size` token ids most often the label (the argmax after a position's next token),
+    most frequent first; `total` the model's vocabulary size."""
+    counts = torch.bincount(torch.cat([e.argmax[1:] for e in examples]), minlength=total)
+    return counts.argsort(descending=True)[: min(vocab_size, int((counts > 0).sum()))]
+
+
+def fit(examples: list[Example], embeddings: torch.Tensor, vocab_size: int = 8192, epochs: int = 6,
+        inter: int | None = None, blocks: int = 1, lr: float = 1e-3, seed: int = 0, held_out: float = 0.05,
+        progress: Callable[[str], None] | None = None) -> tuple[HeadNet, torch.Tensor, dict]:
+    """Train a `HeadNet` on `examples` (see the module docstring) over the model's input `embeddings` [V, size]
+    (`inter`: the blocks' width, None = 8/3 of the hidden size, 1536 for the default model); returns (net, output
+    vocabulary [n] int64, {"top1": held-out top-1 accuracy per epoch, "positions": n})."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    order = torch.randperm(len(examples), generator=generator).tolist()
+    n_held = max(1, int(len(examples) * held_out)) if len(examples) > 1 else 0
+    held, train = [examples[i] for i in order[:n_held]], [examples[i] for i in order[n_held:]]
+    table = embeddings.detach().float()
+    vocab = label_vocabulary(train, vocab_size, table.shape[0])
+    remap = torch.full((table.shape[0],), -100, dtype=torch.long)
+    remap[vocab] = torch.arange(len(vocab))
+    out_rows = table[vocab]
+    net = HeadNet(table.shape[1], inter or 8 * table.shape[1] // 3, blocks)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
+    per_batch = 8
+    steps = max(1, epochs * math.ceil(len(train) / per_batch))
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps + 1, pct_start=0.05)
+    report = {"top1": [], "positions": sum(len(e.ids) - 1 for e in train)}
+    for epoch in range(epochs):
+        shuffled = torch.randperm(len(train), generator=generator).tolist()
+        for i in range(0, len(shuffled), per_batch):
+            loss = _batch_loss(net, [train[j] for j in shuffled[i:i + per_batch]], table, remap, out_rows)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+        report["top1"].append(accuracy(net, held, table, remap, out_rows))
+        if progress is not None:
+            progress(f"epoch {epoch + 1}/{epochs}: held-out top-1 {report['top1'][-1]:.3f}")
+    return net.eval(), vocab, report
+
+
+def _states(net: HeadNet, example: Example, table: torch.Tensor) -> torch.Tensor:
+    """[n - 1, size] head states of `example`'s positions 0 … n - 2."""
+    return net(example.hidden[:-1].float(), table[example.ids[1:]])
+
+
+def _batch_loss(net, batch: list[Example], table, remap, out_rows) -> torch.Tensor:
+    """Mean cross-entropy of the labels in the head's vocabulary over the positions of `batch` (the head reads
+    each position alone, so all of them go through it at once)."""
+    hidden = torch.cat([example.hidden[:-1] for example in batch]).float()
+    following = torch.cat([example.ids[1:] for example in batch])
+    labels = remap[torch.cat([example.argmax[1:] for example in batch])]
+    scores = net(hidden, table[following]) @ out_rows.T
+    return F.cross_entropy(scores, labels, ignore_index=-100, reduction="sum") / max(int((labels >= 0).sum()), 1)
+
+
+def accuracy(net: HeadNet, examples: list[Example], table, remap, out_rows) -> float:
+    """How often the head's top-1 is the model's next argmax, over every position of `examples` (labels outside
+    the head's vocabulary count as misses); 0 without examples."""
+    hits, count = 0, 0
+    with torch.no_grad():
+        for example in examples:
+            best = (_states(net, example, table) @ out_rows.T).argmax(-1)
+            hits += int((best == remap[example.argmax[1:]]).sum())
+            count += len(best)
+    return hits / count if count else 0.0
