@@ -449,3 +449,18 @@ def test_requests_enter_the_cache_only_when_asked(tiny, tokenizer, cache_request
         response = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[4], "max_tokens": 4}, timeout=60)
     assert response.status_code == 200
     assert cache.n_documents == (2 if cache_requests else 1)
+
+
+def test_default_model_serves_with_its_draft_head(default_model):
+    """`lookahead serve --draft-head auto`: the shipped head drafts the requests (its drafts accepted) and the text is
+    mode off's."""
+    model, tokenizer = default_model
+    content = "Write a short story about a robot who learns to paint."
+    expected = _reference(model, tokenizer, _chat_text(tokenizer, content), 40)
+    settings = ServerSettings(model_name="d", config=LookaheadConfig(draft_head="auto"))
+    with _serving(create_app(model, tokenizer, settings, None)) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        response = client.chat.completions.create(model="d", max_tokens=40,
+                                                  messages=[{"role": "user", "content": content}])
+    assert response.choices[0].message.content == expected
+    assert response.model_extra["lookahead"]["accepted_by_drafter"].get("head", 0) > 0
