@@ -164,6 +164,9 @@ def label_vocabulary(examples: list[Example], vocab_size: int, total: int) -> to
     return counts.argsort(descending=True)[: min(vocab_size, int((counts > 0).sum()))]
 
 
+BATCH_TEXTS = 8  # texts per optimizer step
+
+
 def fit(examples: list[Example], embeddings: torch.Tensor, vocab_size: int = 8192, epochs: int = 6,
         inter: int | None = None, blocks: int = 1, lr: float = 1e-3, seed: int = 0, held_out: float = 0.05,
         progress: Callable[[str], None] | None = None) -> tuple[HeadNet, torch.Tensor, dict]:
@@ -172,9 +175,7 @@ def fit(examples: list[Example], embeddings: torch.Tensor, vocab_size: int = 819
     vocabulary [n] int64, {"top1": held-out top-1 accuracy per epoch, "positions": n})."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    order = torch.randperm(len(examples), generator=generator).tolist()
-    n_held = max(1, int(len(examples) * held_out)) if len(examples) > 1 else 0
-    held, train = [examples[i] for i in order[:n_held]], [examples[i] for i in order[n_held:]]
+    held, train = _split(examples, held_out, generator)
     table = embeddings.detach().float()
     vocab = label_vocabulary(train, vocab_size, table.shape[0])
     remap = torch.full((table.shape[0],), -100, dtype=torch.long)
@@ -182,14 +183,13 @@ def fit(examples: list[Example], embeddings: torch.Tensor, vocab_size: int = 819
     out_rows = table[vocab]
     net = HeadNet(table.shape[1], inter or 8 * table.shape[1] // 3, blocks)
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
-    per_batch = 8
-    steps = max(1, epochs * math.ceil(len(train) / per_batch))
+    steps = max(1, epochs * math.ceil(len(train) / BATCH_TEXTS))
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps + 1, pct_start=0.05)
     report = {"top1": [], "positions": sum(len(e.ids) - 1 for e in train)}
     for epoch in range(epochs):
         shuffled = torch.randperm(len(train), generator=generator).tolist()
-        for i in range(0, len(shuffled), per_batch):
-            loss = _batch_loss(net, [train[j] for j in shuffled[i:i + per_batch]], table, remap, out_rows)
+        for i in range(0, len(shuffled), BATCH_TEXTS):
+            loss = _batch_loss(net, [train[j] for j in shuffled[i:i + BATCH_TEXTS]], table, remap, out_rows)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -198,6 +198,14 @@ def fit(examples: list[Example], embeddings: torch.Tensor, vocab_size: int = 819
         if progress is not None:
             progress(f"epoch {epoch + 1}/{epochs}: held-out top-1 {report['top1'][-1]:.3f}")
     return net.eval(), vocab, report
+
+
+def _split(examples: list[Example], held_out: float, generator: torch.Generator) -> tuple[list, list]:
+    """(held-out texts, training texts): a `held_out` share of `examples` (at least one when there are two or more)
+    drawn at random with `generator`."""
+    order = torch.randperm(len(examples), generator=generator).tolist()
+    n_held = max(1, int(len(examples) * held_out)) if len(examples) > 1 else 0
+    return [examples[i] for i in order[:n_held]], [examples[i] for i in order[n_held:]]
 
 
 def _states(net: HeadNet, example: Example, table: torch.Tensor) -> torch.Tensor:
