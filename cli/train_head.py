@@ -36,7 +36,6 @@ def train_head(out, model_path, sequences, epochs, vocab_size, batch, data, seed
         model, tokenizer = load_model(model_path)
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from exc
-    report = lambda line: click.echo(f"[lookahead] {line}", err=True)  # noqa: E731
     if data is not None and Path(data).is_file():
         examples = _read_examples(data)
         report(f"read {len(examples)} distilled texts from {data}")
@@ -53,6 +52,11 @@ def train_head(out, model_path, sequences, epochs, vocab_size, batch, data, seed
            f"{epochs} epochs, {len(vocab)} output tokens, held-out top-1 {result['top1'][-1]:.3f}")
     save_head(out, head_weights(net), vocab, model, how)
     click.echo(f"wrote {out}: {how}")
+
+
+def report(line: str) -> None:
+    """A progress line on stderr."""
+    click.echo(f"[lookahead] {line}", err=True)
 
 
 def _read_examples(path: str):
