@@ -123,7 +123,9 @@ def test_head_reads_the_hidden_state_of_the_row_that_chose_the_root(trained, mon
     monkeypatch.setattr(DraftHead, "propose", lambda self, hidden, root, k: calls.append((hidden.clone(), root))
                         or original(self, hidden, root, k))
     prompt = repetitive_prompt(7, vocab=VOCAB)
-    out = model.generate(prompt, do_sample=False, max_new_tokens=30, custom_generate=Lookahead(draft_head=path))[0]
+    decoder = Lookahead(draft_head=path, adaptive=False)  # the whole tree every step: steps commit several tokens
+    out = model.generate(prompt, do_sample=False, max_new_tokens=30, custom_generate=decoder)[0]
+    assert max(decoder.last_stats.tokens_per_step) > 1
     with torch.no_grad():
         states = model(out[None], output_hidden_states=True).hidden_states[-1][0]
     assert len(calls) >= 5
