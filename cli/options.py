@@ -91,7 +91,7 @@ def check_head(model, config: LookaheadConfig):
     `click.ClickException` for a file that is not a head for this model."""
     from lookahead.head_files import head_for
 
-    if not (config.draft_head and config.head_candidates and config.tree_budget):
+    if not config.drafts_with_head:
         return None
     try:
         return head_for(model, config.draft_head)

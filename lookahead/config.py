@@ -137,11 +137,15 @@ class LookaheadConfig:
         return self.window_levels + 1 if self.window_levels else 4
 
     @property
+    def drafts_with_head(self) -> bool:
+        """Whether a learned draft head is asked for and can draft (a head named, candidates and a tree budget)."""
+        return self.draft_head is not None and self.head_candidates > 0 and self.tree_budget > 0
+
+    @property
     def speculates(self) -> bool:
         """Whether any draft can be verified (False means one token per step)."""
         return self.tree_budget > 0 and (self.pool_candidates > 0 or self.prompt_candidates > 0
-                                         or self.recycle_nodes > 0
-                                         or (self.draft_head is not None and self.head_candidates > 0))
+                                         or self.recycle_nodes > 0 or self.drafts_with_head)
 
     @classmethod
     def off(cls) -> "LookaheadConfig":

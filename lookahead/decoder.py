@@ -66,7 +66,7 @@ class Decoder:
     def run(self) -> torch.Tensor:
         """Generate until every sequence is done; returns [B, L + new] token ids (on the input's device)."""
         start = time.perf_counter()
-        with hidden_tap(self.model, self.request.draft_head is not None and self.config.head_candidates > 0) as tap:
+        with hidden_tap(self.model, self.request.draft_head is not None) as tap:
             self.tap = tap
             self._prefill()
             while self.active:

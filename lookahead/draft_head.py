@@ -21,7 +21,7 @@ cent of a 4.4 ms step here. Without the streamed kernel they run as plain fp32 p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -136,10 +136,7 @@ class _Int8Linear:
     """`x @ weightᵀ + bias` on the streamed kernel from an int8 copy of the weight (one scale per output row)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        quantized = streamed_gemm.quantize(weight)
-        self.weight = streamed_gemm.StreamedWeight(quantized.panels, quantized.out_features,
-                                                   None if bias is None else bias.contiguous(), quantized.scales,
-                                                   quantized.kind)
+        self.weight = replace(streamed_gemm.quantize(weight), bias=None if bias is None else bias.contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return streamed_gemm.product(x, self.weight)

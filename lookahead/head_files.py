@@ -25,7 +25,7 @@ from .draft_head import DraftHead
 
 FORMAT = "lookahead-draft-head"
 PACKAGED = Path(__file__).parent / "heads"
-_LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → {path: DraftHead}
+_LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → {"auto" or a resolved path: DraftHead}
 _LOCK = threading.Lock()
 
 
@@ -89,20 +89,24 @@ def find_head(model) -> Path | None:
 
 def head_for(model, spec: str = "auto") -> DraftHead:
     """The `DraftHead` for `model`: `spec` "auto" the packaged head made for the model, else the head file at path
-    `spec`. Loaded once per model and file, then shared (a server's requests, a `Lookahead`'s calls). Raises
-    `ValueError` when "auto" finds no head for the model, the file does not exist, or as `load_head` does."""
+    `spec`. Found and loaded once per model and spec, then shared (a server's requests, a `Lookahead`'s calls).
+    Raises `ValueError` when "auto" finds no head for the model, the file does not exist, or as `load_head` does."""
+    key = spec if spec == "auto" else str(Path(spec).resolve())
+    with _LOCK:
+        heads = _LOADED.setdefault(model, {})
+        if key not in heads:
+            heads[key] = load_head(_head_file(model, spec), model)
+        return heads[key]
+
+
+def _head_file(model, spec: str) -> Path:
+    """The head file `spec` names for `model` ("auto": the packaged one). Raises `ValueError` when there is none."""
     if spec == "auto":
         chosen = find_head(model)
         if chosen is None:
             raise ValueError("no draft head ships for this model; make one with `lookahead train-head OUT` and pass "
                              "its path as draft_head (--draft-head)")
-    else:
-        chosen = Path(spec)
-        if not chosen.is_file():
-            raise ValueError(f"draft head file {spec} does not exist")
-    with _LOCK:
-        heads = _LOADED.setdefault(model, {})
-        key = str(chosen.resolve())
-        if key not in heads:
-            heads[key] = load_head(chosen, model)
-        return heads[key]
+        return chosen
+    if not Path(spec).is_file():
+        raise ValueError(f"draft head file {spec} does not exist")
+    return Path(spec)

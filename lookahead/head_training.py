@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draft_head import NORM_EPS
+from .draft_head import rms_norm
+from .hidden_tap import hidden_tap
 
 PLAIN_OPENINGS = ("def ", "import ", "class ", "# ", "The ", "In ", "from ", "    ")
 _MARKER = "\u2063LOOKAHEAD-USER-TEXT\u2063"
@@ -59,7 +60,7 @@ def distill(model, tokenizer, sequences: int, seed: int = 0, batch: int = 32, us
 
     torch.manual_seed(seed)
     tokenizer = copy.deepcopy(tokenizer)  # padded on the left, with a pad token: the caller's stays as it is
-    end = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
+    end = tokenizer.eos_token_id
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token else tokenizer.convert_ids_to_tokens(0)
     pad = tokenizer.pad_token_id
@@ -119,10 +120,11 @@ def _trimmed(row: torch.Tensor, mask: torch.Tensor, end: int | None) -> torch.Te
 
 
 def _teacher_forced(model, ids: torch.Tensor) -> Example:
-    """The `Example` of the text `ids` [n]: one forward, its last hidden states and argmaxes."""
-    with torch.no_grad():
-        out = model(ids[None], output_hidden_states=True)
-    return Example(ids.clone(), out.hidden_states[-1][0].to(torch.float16), out.logits[0].argmax(-1))
+    """The `Example` of the text `ids` [n]: one forward, the LM head's input (`hidden_tap`) and the argmaxes."""
+    with torch.no_grad(), hidden_tap(model) as tap:
+        logits = model(ids[None]).logits
+        hidden = tap.last()
+    return Example(ids.clone(), hidden[0].to(torch.float16), logits[0].argmax(-1))
 
 
 class HeadNet(nn.Module):
@@ -143,7 +145,7 @@ class HeadNet(nn.Module):
         """[T, size] head states for hidden [T, size] and the next tokens' embeddings [T, size]."""
         a = self.fc(torch.cat([hidden, embedded], dim=-1))
         for norm, gate, up, down in zip(self.norms, self.gates, self.ups, self.downs):
-            x = norm * a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+            x = rms_norm(a, norm)
             a = a + down(F.silu(gate(x)) * up(x))
         return a
 

@@ -125,7 +125,7 @@ class Lookahead:
     def _draft_head(self, model):
         """The learned draft head `config.draft_head` names for `model` (`head_files.head_for`), or None when it is
         off or nothing is drafted. Raises `ValueError` when there is no such head for this model."""
-        if not (self.config.draft_head and self.config.head_candidates and self.config.tree_budget):
+        if not self.config.drafts_with_head:
             return None
         return head_for(model, self.config.draft_head)
 
