@@ -20,13 +20,17 @@ import click
               help="Texts generated together while distilling.")
 @click.option("--data", type=click.Path(dir_okay=False), default=None,
               help="Keep the distilled texts in this file; an existing file is reused instead of distilling again.")
+@click.option("--init", "init", type=click.Path(dir_okay=False), default=None,
+              help="Train on from this head file (made for the same model; its sizes and output tokens are kept).")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True,
+              help="Peak learning rate of the one-cycle schedule (train on from --init with a smaller one, 3e-4).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
-def train_head(out, model_path, sequences, epochs, vocab_size, batch, data, seed) -> None:
+def train_head(out, model_path, sequences, epochs, vocab_size, batch, data, init, lr, seed) -> None:
     """Distill texts from the model itself, fit a draft head on them and write it to OUT (.safetensors). Pass it
     with `lookahead generate --draft-head OUT`; heads shipped in lookahead/heads/ are found automatically."""
     import torch
 
-    from lookahead.head_files import save_head
+    from lookahead.head_files import read_head, save_head
     from lookahead.head_training import distill, fit, head_weights
     from lookahead.models import ModelLoadError, load_model
 
@@ -36,6 +40,10 @@ def train_head(out, model_path, sequences, epochs, vocab_size, batch, data, seed
         model, tokenizer = load_model(model_path)
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from exc
+    try:
+        start = None if init is None else read_head(init, model)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--init") from None
     if data is not None and Path(data).is_file():
         examples = _read_examples(data)
         report(f"read {len(examples)} distilled texts from {data}")
@@ -47,9 +55,10 @@ def train_head(out, model_path, sequences, epochs, vocab_size, batch, data, seed
         if data is not None:
             torch.save([vars(e) for e in examples], data)
     net, vocab, result = fit(examples, model.get_input_embeddings().weight, vocab_size=vocab_size, epochs=epochs,
-                             seed=seed, progress=report)
+                             lr=lr, seed=seed, start=start, progress=report)
     how = (f"lookahead train-head: {len(examples)} self-distilled texts ({result['positions']} positions), "
-           f"{epochs} epochs, {len(vocab)} output tokens, held-out top-1 {result['top1'][-1]:.3f}")
+           f"{epochs} epochs{' from ' + Path(init).name if init else ''}, {len(vocab)} output tokens, "
+           f"held-out top-1 {result['top1'][-1]:.3f}")
     save_head(out, head_weights(net), vocab, model, how)
     click.echo(f"wrote {out}: {how}")
 

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .draft_head import DraftHead
+from .draft_head import DraftHead, check_weights
 
 FORMAT = "lookahead-draft-head"
 PACKAGED = Path(__file__).parent / "heads"
@@ -65,14 +65,24 @@ def read_metadata(path: str | Path) -> dict[str, str]:
 def load_head(path: str | Path, model) -> DraftHead:
     """The head in the file at `path`, bound to `model`'s input embeddings. Raises `ValueError` when the file is not
     a head file, was made for another model, or does not fit the model's sizes."""
+    weights, vocab = read_head(path, model)
+    return DraftHead(weights, vocab, model.get_input_embeddings().weight)
+
+
+def read_head(path: str | Path, model) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(weights, output vocabulary) of the head file at `path` made for `model`. Raises `ValueError` when it is not
+    a head file, was made for another model, or its shapes do not fit the model's hidden size."""
     metadata = read_metadata(path)
     if metadata.get("fingerprint") != model_fingerprint(model):
         raise ValueError(f"draft head {path} was trained for {metadata.get('model')!r} "
                          f"(fingerprint {metadata.get('fingerprint')}), not this model ({model_fingerprint(model)})")
     with safe_open(str(path), framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
+    if "vocab" not in tensors:
+        raise ValueError(f"draft head {path} has no output vocabulary")
     vocab = tensors.pop("vocab")
-    return DraftHead(tensors, vocab, model.get_input_embeddings().weight)
+    check_weights(tensors, model.get_input_embeddings().weight.shape[1])
+    return tensors, vocab
 
 
 def find_head(model) -> Path | None:

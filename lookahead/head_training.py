@@ -7,7 +7,8 @@
    reads) and the model's argmax there: the head's inputs and labels.
 2. `fit`: a `HeadNet` learns, at every position t, to predict the model's argmax at t + 1 from the hidden state at
    t and the embedding of the token at t + 1 (cross-entropy over the `vocab_size` tokens the labels use most;
-   AdamW, one-cycle schedule), reporting held-out top-1 accuracy after every epoch.
+   AdamW, one-cycle schedule), reporting held-out top-1 accuracy after every epoch; from scratch or from an
+   existing head (`start`: more texts, more epochs).
 3. `head_weights` gives the tensors `head_files.save_head` writes.
 
 The head only proposes drafts, so nothing here can change an output: a poor head costs speed, never tokens.
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draft_head import rms_norm
+from .draft_head import block_count, rms_norm
 from .hidden_tap import hidden_tap
 
 PLAIN_OPENINGS = ("def ", "import ", "class ", "# ", "The ", "In ", "from ", "    ")
@@ -141,6 +142,18 @@ class HeadNet(nn.Module):
         for down in self.downs:
             nn.init.zeros_(down.weight)  # each block starts as the identity
 
+    @classmethod
+    def from_weights(cls, weights: dict[str, torch.Tensor]) -> "HeadNet":
+        """The net holding `weights` (as `head_weights` names them; sizes and block count read from them)."""
+        blocks = block_count(weights)
+        inter, size = weights["blocks.0.gate"].shape
+        net = cls(size, inter, blocks)
+        own = head_weights(net)
+        with torch.no_grad():
+            for name, value in own.items():
+                _parameter(net, name).copy_(weights[name].float())
+        return net
+
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """[T, size] head states for hidden [T, size] and the next tokens' embeddings [T, size]."""
         a = self.fc(torch.cat([hidden, embedded], dim=-1))
@@ -152,11 +165,23 @@ class HeadNet(nn.Module):
 
 def head_weights(net: HeadNet) -> dict[str, torch.Tensor]:
     """The tensors of `net` under the names `draft_head.DraftHead` reads."""
-    weights = {"fc.weight": net.fc.weight, "fc.bias": net.fc.bias}
-    for i in range(len(net.norms)):
-        weights.update({f"blocks.{i}.norm": net.norms[i], f"blocks.{i}.gate": net.gates[i].weight,
-                        f"blocks.{i}.up": net.ups[i].weight, f"blocks.{i}.down": net.downs[i].weight})
-    return {name: value.detach().clone() for name, value in weights.items()}
+    return {name: _parameter(net, name).detach().clone() for name in _names(len(net.norms))}
+
+
+def _names(blocks: int) -> list[str]:
+    """The tensor names of a head with `blocks` blocks."""
+    return ["fc.weight", "fc.bias"] + [f"blocks.{i}.{part}" for i in range(blocks)
+                                       for part in ("norm", "gate", "up", "down")]
+
+
+def _parameter(net: HeadNet, name: str) -> torch.Tensor:
+    """The parameter of `net` that the head tensor `name` holds."""
+    if name.startswith("fc."):
+        return getattr(net.fc, name[3:])
+    _, i, part = name.split(".")
+    if part == "norm":
+        return net.norms[int(i)]
+    return {"gate": net.gates, "up": net.ups, "down": net.downs}[part][int(i)].weight
 
 
 def label_vocabulary(examples: list[Example], vocab_size: int, total: int) -> torch.Tensor:
@@ -171,19 +196,22 @@ BATCH_TEXTS = 8  # texts per optimizer step
 
 def fit(examples: list[Example], embeddings: torch.Tensor, vocab_size: int = 8192, epochs: int = 6,
         inter: int | None = None, blocks: int = 1, lr: float = 1e-3, seed: int = 0, held_out: float = 0.05,
+        start: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None,
         progress: Callable[[str], None] | None = None) -> tuple[HeadNet, torch.Tensor, dict]:
     """Train a `HeadNet` on `examples` (see the module docstring) over the model's input `embeddings` [V, size]
-    (`inter`: the blocks' width, None = 8/3 of the hidden size, 1536 for the default model); returns (net, output
+    (`inter`: the blocks' width, None = 8/3 of the hidden size, 1536 for the default model; `start`: (weights,
+    vocabulary) of an existing head to train on from, whose sizes and vocabulary are kept); returns (net, output
     vocabulary [n] int64, {"top1": held-out top-1 accuracy per epoch, "positions": n})."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     held, train = _split(examples, held_out, generator)
     table = embeddings.detach().float()
-    vocab = label_vocabulary(train, vocab_size, table.shape[0])
+    vocab = label_vocabulary(train, vocab_size, table.shape[0]) if start is None else start[1].long()
     remap = torch.full((table.shape[0],), -100, dtype=torch.long)
     remap[vocab] = torch.arange(len(vocab))
     out_rows = table[vocab]
-    net = HeadNet(table.shape[1], inter or 8 * table.shape[1] // 3, blocks)
+    net = HeadNet(table.shape[1], inter or 8 * table.shape[1] // 3, blocks) if start is None else \
+        HeadNet.from_weights(start[0])
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
     steps = max(1, epochs * math.ceil(len(train) / BATCH_TEXTS))
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps + 1, pct_start=0.05)

@@ -10,6 +10,8 @@ from tiny_models import build_tiny_model as tiny_model
 from transformers import AutoTokenizer
 
 from lookahead.cli.main import main
+from lookahead.head_files import read_metadata, save_head
+from lookahead.head_training import HeadNet, head_weights
 from lookahead.models import default_model_folder
 
 
@@ -263,9 +265,6 @@ def test_datastore_without_text_is_a_one_line_error(tiny_folder, tmp_path):
 
 
 def test_a_draft_head_for_another_model_or_not_a_head_is_a_one_line_error(tiny_folder, tmp_path):
-    from lookahead.head_files import save_head
-    from lookahead.head_training import HeadNet, head_weights
-
     folder, _, _ = tiny_folder
     not_a_head = tmp_path / "head.safetensors"
     not_a_head.write_text("hello")
@@ -289,8 +288,9 @@ def test_train_head_writes_a_head_that_generate_uses(tiny_folder, tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "distilled" in result.stderr and "held-out top-1" in result.output and out.is_file() and data.is_file()
-    again = CliRunner().invoke(main, args)  # the texts are read back, not distilled again
+    again = CliRunner().invoke(main, args + ["--init", str(out), "--lr", "3e-4"])  # texts read back, head trained on
     assert again.exit_code == 0 and "read 4 distilled texts" in again.stderr
+    assert "2 epochs from tiny-head.safetensors" in read_metadata(out)["trained"]
     prompt = "def fibonacci(n):"
     result = _run(prompt, "--model", str(folder), "--max-new-tokens", "16", "--draft-head", str(out))
     assert result.exit_code == 0, result.output
@@ -302,3 +302,13 @@ def test_train_head_writes_a_head_that_generate_uses(tiny_folder, tmp_path):
 def test_train_head_refuses_a_missing_output_folder(tmp_path):
     result = CliRunner().invoke(main, ["train-head", str(tmp_path / "no" / "head.safetensors")])
     assert result.exit_code != 0 and "does not exist" in result.output and "Traceback" not in result.output
+
+
+def test_train_head_refuses_an_init_head_of_another_model(tiny_folder, tmp_path):
+    folder, _, _ = tiny_folder
+    other, init = tiny_model("llama", dtype=torch.float32, seed=9, vocab=64), tmp_path / "other.safetensors"
+    save_head(init, head_weights(HeadNet(32, 16)), torch.arange(8), other, "test")
+    result = CliRunner().invoke(main, ["train-head", str(tmp_path / "h.safetensors"), "--model", str(folder),
+                                       "--init", str(init)])
+    assert result.exit_code != 0 and "--init" in result.output and "was trained for" in result.output
+    assert "Traceback" not in result.output

@@ -199,3 +199,26 @@ def test_headnet_starts_as_the_fc_alone():
     hidden, embedded = torch.randn(3, 8), torch.randn(3, 8)
     with torch.no_grad():
         assert torch.allclose(net(hidden, embedded), net.fc(torch.cat([hidden, embedded], -1)))
+
+
+
+def test_fit_trains_on_from_a_head(trained):
+    """`start`: the net begins as the given head (its vocabulary kept), not from scratch."""
+    model, net, vocab, report, _ = trained
+    examples = _examples(model, 12)
+    table = model.get_input_embeddings().weight
+    on, on_vocab, on_report = fit(examples, table, epochs=1, inter=64, lr=1e-7, held_out=0.5,
+                                  start=(head_weights(net), vocab))
+    fresh, _, fresh_report = fit(examples, table, vocab_size=VOCAB, epochs=1, inter=64, lr=1e-7, held_out=0.5)
+    assert torch.equal(on_vocab, vocab)
+    assert on_report["top1"][0] > 0.3 and fresh_report["top1"][0] < 0.2  # measured ~0.5 / ~0.03; chance 1/32
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(head_weights(on).values(), head_weights(net).values()))
+
+
+def test_headnet_from_weights_is_the_same_function():
+    net = HeadNet(8, 12, blocks=2)
+    torch.nn.init.normal_(net.downs[1].weight)
+    copy = HeadNet.from_weights(head_weights(net))
+    hidden, embedded = torch.randn(3, 8), torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(copy(hidden, embedded), net(hidden, embedded)) and len(copy.norms) == 2
