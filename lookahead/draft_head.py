@@ -15,8 +15,10 @@ predicts is what greedy verification accepts. It only proposes: verification is 
 whatever the head says (a wrong or mismatched head costs speed, never tokens).
 
 Its linear layers run on the streamed kernel from int8 copies (`streamed_gemm.quantize`; a head's proposals only
-need to be near), ~3.3 M weights plus the output rows (8192 × 576 for the default model): ~8 MB a step, a few per
-cent of a 4.4 ms step here. Without the streamed kernel they run as plain fp32 products.
+need to be near), ~3.3 M weights plus the output rows (2048 × 576 for the default model): ~4.5 MB a step. A head of
+one block runs as one compiled call (`head_kernel`: its dozen small operations dispatched one by one cost more than
+its products); other heads as PyTorch operations around the same products. Without the streamed kernel (or for a
+model not in fp32) they run as plain fp32 products.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import streamed_gemm
+from .head_kernel import CompiledHead
 
 NORM_EPS = 1e-5
 # Output tokens a head scores (the first of its vocabulary, which head files list most frequent first). Measured on
@@ -73,10 +76,16 @@ class DraftHead:
         self.gate_up = [linear(torch.cat([w[f"blocks.{i}.gate"], w[f"blocks.{i}.up"]])) for i in range(self.blocks)]
         self.down = [linear(w[f"blocks.{i}.down"]) for i in range(self.blocks)]
         self.out = linear(self.embeddings[vocab].float().contiguous())
+        self.compiled = CompiledHead(self.fc.weight, [g.weight for g in self.gate_up], [d.weight for d in self.down],
+                                     self.out.weight, self.norms, NORM_EPS) if streamed and self.blocks == 1 else None
 
     def propose(self, hidden: torch.Tensor, root: int, k: int) -> HeadProposal:
         """The head's `k` most likely tokens after `root`, given `hidden` [size], the target's final normed hidden
         state of the row that chose `root`."""
+        if self.compiled is not None:
+            rows, probs = self.compiled.propose(np.ascontiguousarray(hidden.detach().float().cpu().numpy()),
+                                                self.embeddings[root].numpy(), min(k, len(self.vocab)))
+            return HeadProposal(self.vocab[rows], probs)
         x = torch.cat([hidden.detach().float().view(1, -1).to(self.embeddings.device),
                        self.embeddings[root].float().view(1, -1)], dim=1)
         a = self.fc(x)

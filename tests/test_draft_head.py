@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import build_tiny_model, repetitive_prompt, word_tokenizer
 
-from lookahead import Lookahead, LookaheadConfig, head_files
+from lookahead import Lookahead, LookaheadConfig, head_files, streamed_gemm
 from lookahead.draft_head import DraftHead
 from lookahead.drafters import HEAD, HEAD_SOURCES, SOURCE_DRAFTER
 from lookahead.head_training import Example, HeadNet, _teacher_forced, distill, fit, head_weights
@@ -77,6 +77,23 @@ def test_head_computes_what_the_trained_net_computes(trained):
         np.testing.assert_allclose(got.probs, top.values.numpy(), rtol=1e-4, atol=1e-6)
         approx = near.propose(hidden, root, 1)
         assert abs(float(approx.probs[0]) - float(probs[vocab == int(approx.tokens[0])][0])) < 0.03
+
+
+@pytest.mark.skipif(not streamed_gemm.available(), reason="needs the streamed kernel (LLVM, FMA)")
+def test_compiled_head_computes_what_its_operations_compute(trained):
+    """The one-call forward (`head_kernel`) against the same int8 products run as PyTorch operations."""
+    model, net, vocab, _, _ = trained
+    head = DraftHead(head_weights(net), vocab, model.get_input_embeddings().weight)
+    assert head.compiled is not None
+    generator = torch.Generator().manual_seed(1)
+    for root in range(VOCAB):
+        hidden = torch.randn(32, generator=generator) * 2
+        fast = head.propose(hidden, root, 4)
+        compiled, head.compiled = head.compiled, None
+        slow = head.propose(hidden, root, 4)
+        head.compiled = compiled
+        assert fast.tokens.tolist() == slow.tokens.tolist()
+        np.testing.assert_allclose(fast.probs, slow.probs, rtol=1e-4, atol=1e-6)
 
 
 def test_head_file_is_tied_to_its_model(trained, tmp_path):
