@@ -1,8 +1,10 @@
 """Making a draft head (`draft_head.py`) for a model by self-distillation: no outside text, only the model's own.
 
-1. `distill`: the model writes its own training text. It samples user messages in its chat template (the text of
-   a user turn up to where the message goes, then T = 1), answers them greedily (lookahead, batched), and every
-   `plain_every`-th batch continues short openings of code and prose instead ("def ", "The ", ...). A
+1. `distill`: the model writes its own training text, batch by batch in the order of `kinds`: "chat" samples user
+   messages in its chat template (the text of a user turn up to where the message goes, then T = 1) and answers
+   them greedily (lookahead, batched); "plain" continues short openings of code and prose ("def ", "The ", ...);
+   "grounded" samples a passage of prose, then answers a request about it (summarize it, its main idea, its key
+   points) with the passage in the user turn, as summarization and retrieval-augmented prompts do. A
    teacher-forced forward of each text gives, at every position, the final normed hidden state (what the LM head
    reads) and the model's argmax there: the head's inputs and labels.
 2. `fit`: a `HeadNet` learns, at every position t, to predict the model's argmax at t + 1 from the hidden state at
@@ -30,6 +32,10 @@ from .draft_head import block_count, rms_norm
 from .hidden_tap import hidden_tap
 
 PLAIN_OPENINGS = ("def ", "import ", "class ", "# ", "The ", "In ", "from ", "    ")
+PROSE_OPENINGS = ("The ", "In ", "A ", "When ", "Many ", "Scientists ", "Our ", "After ")
+GROUNDED_REQUESTS = ("Summarize the text above in a few sentences.", "What is the main idea of the text above?",
+                     "List the key points of the text above.", "Using only the text above, explain what it says.")
+KINDS = ("chat", "grounded", "chat", "plain")  # the batches of one round of `distill`, in order
 _MARKER = "\u2063LOOKAHEAD-USER-TEXT\u2063"
 
 
@@ -53,31 +59,39 @@ def user_turn_prefix(tokenizer) -> str:
 
 
 def distill(model, tokenizer, sequences: int, seed: int = 0, batch: int = 32, user_tokens: int = 64,
-            answer_tokens: int = 128, plain_every: int = 3, progress: Callable[[str], None] | None = None
-            ) -> list[Example]:
-    """At least `sequences` texts written by `model` itself (see the module docstring), batch by batch."""
+            answer_tokens: int = 128, passage_tokens: int = 160, kinds: tuple[str, ...] = KINDS,
+            progress: Callable[[str], None] | None = None) -> list[Example]:
+    """At least `sequences` texts written by `model` itself (see the module docstring), batch by batch; `kinds`
+    the batches' kinds in turn ("chat", "plain", "grounded"). Raises `ValueError` for another kind."""
     from .hf import Lookahead
     from .config import LookaheadConfig
 
+    unknown = set(kinds) - {"chat", "plain", "grounded"}
+    if unknown or not kinds:
+        raise ValueError(f"distill kinds are 'chat', 'plain' and 'grounded', got {sorted(unknown) or 'none'}")
     torch.manual_seed(seed)
     tokenizer = copy.deepcopy(tokenizer)  # padded on the left, with a pad token: the caller's stays as it is
     end = tokenizer.eos_token_id
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token else tokenizer.convert_ids_to_tokens(0)
-    pad = tokenizer.pad_token_id
     tokenizer.padding_side = "left"
-    sample, greedy = Lookahead(LookaheadConfig.off()), Lookahead()
+    writer = _Writer(model, tokenizer, end, tokenizer.pad_token_id, Lookahead(LookaheadConfig.off()), Lookahead())
     prefix, examples, start = user_turn_prefix(tokenizer), [], time.perf_counter()
     round_ = 0
     while len(examples) < sequences:
-        if round_ % plain_every == plain_every - 1:
-            texts = _sampled(model, tokenizer, [PLAIN_OPENINGS[i % len(PLAIN_OPENINGS)] for i in range(batch)],
-                             user_tokens, sample, end, pad, keep_prompt=True)
+        kind = kinds[round_ % len(kinds)]
+        if kind == "plain":
+            texts = writer.sampled([PLAIN_OPENINGS[i % len(PLAIN_OPENINGS)] for i in range(batch)], user_tokens,
+                                   keep_prompt=True)
+        elif kind == "grounded":
+            passages = writer.sampled([PROSE_OPENINGS[i % len(PROSE_OPENINGS)] for i in range(batch)],
+                                      passage_tokens, keep_prompt=True)
+            texts = writer.answered([f"{tokenizer.decode(p, skip_special_tokens=True).strip()}\n\n"
+                                     f"{GROUNDED_REQUESTS[i % len(GROUNDED_REQUESTS)]}"
+                                     for i, p in enumerate(passages)], answer_tokens)
         else:
-            users = [u.strip() for u in _sampled(model, tokenizer, [prefix] * batch, user_tokens, sample, end, pad)]
-            chats = [tokenizer.apply_chat_template([{"role": "user", "content": u}], tokenize=False,
-                                                   add_generation_prompt=True) for u in users if len(u) > 8]
-            texts = _answered(model, tokenizer, chats, answer_tokens, greedy, end, pad)
+            users = [u.strip() for u in writer.sampled([prefix] * batch, user_tokens)]
+            texts = writer.answered([u for u in users if len(u) > 8], answer_tokens)
         examples += [_teacher_forced(model, ids) for ids in texts]
         round_ += 1
         if progress is not None:
@@ -86,27 +100,40 @@ def distill(model, tokenizer, sequences: int, seed: int = 0, batch: int = 32, us
     return examples[:sequences]
 
 
-def _sampled(model, tokenizer, prompts: list[str], tokens: int, decoder, end, pad, keep_prompt: bool = False):
-    """Texts the model samples (T = 1) after each of `prompts`: decoded strings, or the prompt and sample's token
-    ids [n] when `keep_prompt`."""
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=tokens,
-                             eos_token_id=end, pad_token_id=pad, custom_generate=decoder)
-    if keep_prompt:
-        return [_trimmed(row, enc.attention_mask[i], end) for i, row in enumerate(out)]
-    return [tokenizer.decode(row[enc.input_ids.shape[1]:], skip_special_tokens=True) for row in out]
+@dataclass
+class _Writer:
+    """The model writing text for `distill`: `sample` decodes with T = 1, `greedy` answers; `end` / `pad` token ids."""
 
+    model: nn.Module
+    tokenizer: object
+    end: int | None
+    pad: int
+    sample: Callable
+    greedy: Callable
 
-def _answered(model, tokenizer, chats: list[str], tokens: int, decoder, end, pad) -> list[torch.Tensor]:
-    """Each chat prompt and its greedy answer, as token ids [n] (padding dropped, cut after the first end token)."""
-    if not chats:
-        return []
-    enc = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**enc, do_sample=False, max_new_tokens=tokens, eos_token_id=end, pad_token_id=pad,
-                             custom_generate=decoder)
-    return [_trimmed(row, enc.attention_mask[i], end) for i, row in enumerate(out)]
+    def sampled(self, prompts: list[str], tokens: int, keep_prompt: bool = False) -> list:
+        """Texts the model samples (T = 1) after each of `prompts`: decoded strings, or the prompt and sample's
+        token ids [n] (cut after the first end token) when `keep_prompt`."""
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = self.model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=tokens,
+                                      eos_token_id=self.end, pad_token_id=self.pad, custom_generate=self.sample)
+        if keep_prompt:
+            return [_trimmed(row, enc.attention_mask[i], self.end) for i, row in enumerate(out)]
+        return [self.tokenizer.decode(row[enc.input_ids.shape[1]:], skip_special_tokens=True) for row in out]
+
+    def answered(self, messages: list[str], tokens: int) -> list[torch.Tensor]:
+        """Each user message in the chat template with the model's greedy answer, as token ids [n] (padding dropped,
+        cut after the first end token)."""
+        chats = [self.tokenizer.apply_chat_template([{"role": "user", "content": m}], tokenize=False,
+                                                    add_generation_prompt=True) for m in messages]
+        if not chats:
+            return []
+        enc = self.tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = self.model.generate(**enc, do_sample=False, max_new_tokens=tokens, eos_token_id=self.end,
+                                      pad_token_id=self.pad, custom_generate=self.greedy)
+        return [_trimmed(row, enc.attention_mask[i], self.end) for i, row in enumerate(out)]
 
 
 def _trimmed(row: torch.Tensor, mask: torch.Tensor, end: int | None) -> torch.Tensor:

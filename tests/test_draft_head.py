@@ -12,7 +12,8 @@ from tiny_models import build_tiny_model, repetitive_prompt, word_tokenizer
 from lookahead import Lookahead, LookaheadConfig, head_files, streamed_gemm
 from lookahead.draft_head import DraftHead
 from lookahead.drafters import HEAD, HEAD_SOURCES, SOURCE_DRAFTER
-from lookahead.head_training import Example, HeadNet, _teacher_forced, distill, fit, head_weights
+from lookahead.head_training import (GROUNDED_REQUESTS, Example, HeadNet, _teacher_forced, distill, fit,
+                                      head_weights)
 from lookahead.hidden_tap import hidden_tap
 
 VOCAB = 32
@@ -202,13 +203,21 @@ def test_distill_writes_the_models_own_greedy_text():
     model = build_tiny_model("llama", dtype=torch.float32, seed=6, vocab=VOCAB)
     tokenizer = word_tokenizer(VOCAB)
     tokenizer.eos_token = "w2"
-    examples = distill(model, tokenizer, sequences=4, batch=2, user_tokens=6, answer_tokens=8, plain_every=2)
-    assert len(examples) == 4
+    examples = distill(model, tokenizer, sequences=6, batch=2, user_tokens=6, answer_tokens=8, passage_tokens=5,
+                       kinds=("chat", "plain", "grounded"))
+    assert len(examples) == 6
     for example in examples:
         with torch.no_grad():
             out = model(example.ids[None], output_hidden_states=True)
         assert torch.equal(example.argmax, out.logits[0].argmax(-1))
         assert example.hidden.shape == (len(example.ids), 32) and example.hidden.dtype == torch.float16
+    for i, example in enumerate(examples[4:]):  # the grounded batch: a sampled passage, then the request about it
+        user = tokenizer.decode(example.ids).split(" w2 ")[0].split()
+        request = GROUNDED_REQUESTS[i].split()
+        assert user[0] == "w1" and user[-len(request):] == ["w0"] * len(request)  # the request's words are unknown
+        assert len(user) >= 1 + 1 + len(request)  # the passage: its opening (unknown here) and what was sampled
+    with pytest.raises(ValueError, match="kinds"):
+        distill(model, tokenizer, sequences=2, kinds=("poems",))
 
 
 def test_headnet_starts_as_the_fc_alone():
