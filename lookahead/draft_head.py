@@ -85,7 +85,8 @@ class DraftHead:
         if self.compiled is not None:
             rows, probs = self.compiled.propose(np.ascontiguousarray(hidden.detach().float().cpu().numpy()),
                                                 self.embeddings[root].numpy(), min(k, len(self.vocab)))
-            return HeadProposal(self.vocab[rows], probs)
+            found = rows >= 0  # a non-finite hidden state leaves no score to rank: nothing is proposed
+            return HeadProposal(self.vocab[rows[found]], probs[found])
         x = torch.cat([hidden.detach().float().view(1, -1).to(self.embeddings.device),
                        self.embeddings[root].float().view(1, -1)], dim=1)
         a = self.fc(x)

@@ -95,6 +95,7 @@ def test_compiled_head_computes_what_its_operations_compute(trained):
         head.compiled = compiled
         assert fast.tokens.tolist() == slow.tokens.tolist()
         np.testing.assert_allclose(fast.probs, slow.probs, rtol=1e-4, atol=1e-6)
+    assert len(head.propose(torch.full((32,), float("nan")), 3, 4).tokens) == 0  # nothing ranked, nothing proposed
 
 
 def test_head_file_is_tied_to_its_model(trained, tmp_path):
