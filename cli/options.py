@@ -89,12 +89,10 @@ def head_options(command):
 def check_head(model, config: LookaheadConfig):
     """The draft head `config` asks for, loaded for `model` (None when there is none or it is off); raises
     `click.ClickException` for a file that is not a head for this model."""
-    from lookahead.head_files import head_for
+    from lookahead.head_files import configured_head
 
-    if not config.drafts_with_head:
-        return None
     try:
-        return head_for(model, config.draft_head)
+        return configured_head(model, config)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
 

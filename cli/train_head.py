@@ -12,7 +12,7 @@ import click
 @click.option("--model", "model_path", type=click.Path(), default=None,
               help="Local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
 @click.option("--sequences", type=click.IntRange(min=2), default=4096, show_default=True,
-              help="Texts the model writes for training (chat answers and plain continuations).")
+              help="Texts the model writes for training (chat answers, answers about passages, continuations).")
 @click.option("--epochs", type=click.IntRange(min=1), default=6, show_default=True, help="Passes over the texts.")
 @click.option("--vocab", "vocab_size", type=click.IntRange(min=2), default=8192, show_default=True,
               help="Output tokens of the head: those the model chooses most often in the texts.")

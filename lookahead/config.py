@@ -29,7 +29,7 @@ class LookaheadConfig:
         (`draft_head.py`), its `head_candidates` best tokens, a recycled subtree below the first. `draft_head`:
         None (off), "auto" (the head shipped for the model; an error if none is) or a head file's path
         (`head_files.py`). Off by default: on the default model on this CPU it raised tokens per step by a fifth (suite:
-        1.51 → 1.82) at the same speed, its rows and its own forward costing what it saved (see the README).
+        1.51 → 1.81) at about the same speed, its rows and its own forward costing what it saved (see the README).
     Every candidate is at most `max_draft_len` tokens; the merged trie keeps at most `tree_budget` nodes
     besides the root (0 = verify no drafts: plain decoding through the same loop).
     With `adaptive` (the default) `tree_budget` and the window are upper bounds: each step keeps only the

@@ -109,6 +109,12 @@ def head_for(model, spec: str = "auto") -> DraftHead:
         return heads[key]
 
 
+def configured_head(model, config) -> DraftHead | None:
+    """The head a `LookaheadConfig` asks for, for `model` (`head_for(model, config.draft_head)`), or None when it is
+    off or cannot draft (`config.drafts_with_head`). Raises `ValueError` as `head_for` does."""
+    return head_for(model, config.draft_head) if config.drafts_with_head else None
+
+
 def _head_file(model, spec: str) -> Path:
     """The head file `spec` names for `model` ("auto": the packaged one). Raises `ValueError` when there is none."""
     if spec == "auto":

@@ -16,6 +16,7 @@ import numba
 import numpy as np
 import torch
 
+from .recycle import _top_k
 from .streamed_gemm import StreamedWeight, _call_address, _kernel_address, vector_width
 
 
@@ -94,21 +95,15 @@ def _scaled(address, panels, blocks, width, outputs, scales, x, vector, threads)
 
 @numba.njit(nogil=True, cache=True)
 def _top(scores, rows, probs):  # pragma: no cover - compiled
-    """rows [k] = the indices of the k largest scores, best first (ties: the lower index); probs [k] = their
-    softmax probabilities over all scores."""
+    """rows [k] = the indices of the k largest scores, best first (`recycle._top_k`: ties to the lower index, NaN
+    never picked, -1 where nothing was); probs [k] = their softmax probabilities over all scores."""
     k = rows.shape[0]
-    best = np.full(k, -np.inf, np.float32)
-    rows[:] = -1
-    for v in range(scores.shape[0]):
-        s = scores[v]
-        if s > best[k - 1]:
-            j = k - 1
-            while j > 0 and best[j - 1] < s:
-                best[j], rows[j] = best[j - 1], rows[j - 1]
-                j -= 1
-            best[j], rows[j] = s, v
+    best = np.empty((1, k), np.float32)
+    found = np.empty((1, k), np.int64)
+    _top_k(scores.reshape(1, scores.shape[0]), found, best)
+    rows[:] = found[0]
     total = 0.0
     for v in range(scores.shape[0]):
-        total += np.exp(np.float64(scores[v] - best[0]))
+        total += np.exp(np.float64(scores[v] - best[0, 0]))
     for j in range(k):
-        probs[j] = np.exp(np.float64(best[j] - best[0])) / total
+        probs[j] = np.exp(np.float64(best[0, j] - best[0, 0])) / total

@@ -29,7 +29,7 @@ from .cost_curve import CostCurve
 from .decoder import Decoder
 from .distributed import agreement, leader_value
 from .draft_model import check_draft_model
-from .head_files import head_for
+from .head_files import configured_head
 from .lean_layers import lean_layers
 from .packed_linear import packed_linears
 from .recycle import RecycleTable
@@ -110,7 +110,7 @@ class Lookahead:
                                 pad_finished=any(hasattr(c, "eos_token_id") for c in stopping_criteria),
                                 record_scores=_wants_scores(generation_config),
                                 copies=generation_config.num_return_sequences or 1,
-                                follow_timings=self.fixed_curve is None, draft_head=self._draft_head(model))
+                                follow_timings=self.fixed_curve is None, draft_head=configured_head(model, self.config))
         decoder = Decoder(model, self.config, request)
         with argmax_logits(model, self.config.argmax_head and _argmax_only(request)):
             sequences = decoder.run()
@@ -121,13 +121,6 @@ class Lookahead:
         return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=decoder.cache,
                                          scores=scores if generation_config.output_scores else None,
                                          logits=logits if generation_config.output_logits else None)
-
-    def _draft_head(self, model):
-        """The learned draft head `config.draft_head` names for `model` (`head_files.head_for`), or None when it is
-        off or nothing is drafted. Raises `ValueError` when there is no such head for this model."""
-        if not self.config.drafts_with_head:
-            return None
-        return head_for(model, self.config.draft_head)
 
     def _cost_curve(self, model, batch: int = 1):
         """The model's measured cost curve at `batch` sequences when the budget adapts (measured once, then
