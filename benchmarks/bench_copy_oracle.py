@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from harness import REFERENCE, decode_seconds_per_token, load_target, markdown_table
-from prompts import DEFAULT_PROMPTS_DIR, Prompt, encode, load_prompts
+from prompts import DEFAULT_PROMPTS_DIR, Prompt, encode, prompt_index
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -149,9 +149,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {args.result} has no {REFERENCE} runs")
     _, tokenizer = load_target(args)
     categories = sorted({record["category"] for record in result["prompts"]})
-    per_category = max(sum(r["category"] == c for r in result["prompts"]) for c in categories)
-    prompts = {p.id: p for p in load_prompts(categories, per_category, args.prompts_dir)}
     try:
+        prompts = prompt_index(categories, args.prompts_dir)
         rows = measure(result, prompts, tokenizer, args.min_match, args.max_copy)
     except (KeyError, ValueError) as exc:
         sys.exit(f"error: {exc}")

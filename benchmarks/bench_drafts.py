@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         with generation_arithmetic(model, LookaheadConfig()):  # the arithmetic decides which cached curve is read
             curve = cost_curve_for(model)
-    prompts = load_prompts(args.categories, args.prompts_per_category, args.prompts_dir)
+    prompts = load_prompts(args.categories, args.prompts_per_category, args.prompts_dir, args.skip_prompts)
     machine = machine_info(args.threads)
     shared, report = build_datastore(args.datastore, tokenizer) if args.datastore else (None, None)
     result = run_variants(model, tokenizer, prompts, args.variants, curve, args.max_new_tokens, args.fresh_table,

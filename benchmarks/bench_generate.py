@@ -3,7 +3,7 @@ speculation off, each model-free drafter alone, with the draft model when one is
 prompts.
 
     python benchmarks/bench_generate.py [--model PATH] [--categories code rag ...] [--prompts-per-category 4]
-        [--max-new-tokens 128] [--repeats 2] [--threads 2] [--methods hf_greedy lookahead ...]
+        [--skip-prompts N] [--max-new-tokens 128] [--repeats 2] [--threads 2] [--methods hf_greedy lookahead ...]
         [--ablation] [--sample] [--config window_levels=3 ...] [--draft-model PATH | --draft-layers N]
         [--warm-recycle] [--out benchmarks/results/NAME.json] [--plots]
 
@@ -367,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
                        args.lookahead_config, prompt_lookup_tokens=args.prompt_lookup_tokens,
                        draft_model=draft_model, warm_recycle=args.warm_recycle)
     close_load_average(machine)
+    result["settings"]["skip_prompts"] = args.skip_prompts  # held out: each category's first N left out
     with generation_arithmetic(model, args.lookahead_config):  # the curve the lookahead runs planned on
         result["cost_curve"] = json.loads(cost_curve_for(model).to_json())
     draft_name = f"first {args.draft_layers} layers of the model" if args.draft_layers else args.draft_model

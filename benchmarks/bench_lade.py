@@ -404,7 +404,7 @@ def _finish_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--reference file not found: {args.reference}")
     if not (args.model / "config.json").is_file():
         raise ValueError(f"--model {args.model} is not an HF folder (run benchmarks/lade_setup.sh first)")
-    args.prompts = load_prompts(args.categories, args.prompts_per_category, args.prompts_dir)
+    args.prompts = load_prompts(args.categories, args.prompts_per_category, args.prompts_dir, args.skip_prompts)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_info(args.threads)
     with tempfile.TemporaryDirectory(prefix="lookahead-offload-") as folder:
         model, tokenizer = load_offloaded(args.disk_layers, folder)
-        runs = run_prompts(model, tokenizer, load_prompts(args.categories, args.prompts_per_category),
+        runs = run_prompts(model, tokenizer, load_prompts(args.categories, args.prompts_per_category, args.prompts_dir, args.skip_prompts),
                            args.max_new_tokens, args.repeats, lookahead)
         step = step_ratio(model)
     close_load_average(machine)

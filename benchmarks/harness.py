@@ -39,6 +39,9 @@ def common_parser(description: str, prompts_per_category: int, repeats: int,
     parser.add_argument("--categories", nargs="+", default=list(categories), choices=list(CATEGORIES),
                         metavar="CATEGORY", help=f"of {', '.join(CATEGORIES)} (default: {' '.join(categories)})")
     parser.add_argument("--prompts-per-category", type=int, default=prompts_per_category)
+    parser.add_argument("--skip-prompts", type=int, default=0, metavar="N",
+                        help="leave out each category's first N prompts: a held-out run (lookahead's defaults "
+                             "were tuned on the suite's first prompts)")
     parser.add_argument("--prompts-dir", type=Path, default=DEFAULT_PROMPTS_DIR)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=repeats)
@@ -75,7 +78,7 @@ def finish_args(parser: argparse.ArgumentParser, args: argparse.Namespace, posit
         from lookahead import LookaheadConfig
 
         args.lookahead_config = LookaheadConfig().with_overrides(**parse_overrides(args.config))
-        args.prompts = load_prompts(args.categories, args.prompts_per_category, args.prompts_dir)
+        args.prompts = load_prompts(args.categories, args.prompts_per_category, args.prompts_dir, args.skip_prompts)
     except ValueError as exc:
         parser.error(str(exc))
     return args

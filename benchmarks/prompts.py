@@ -62,25 +62,41 @@ class Prompt:
     chat: bool
 
 
-def load_prompts(categories, per_category: int, prompts_dir: str | Path = DEFAULT_PROMPTS_DIR) -> list[Prompt]:
-    """Return `per_category` prompts for each of `categories`, grouped by category in the given order.
+def load_prompts(categories, per_category: int, prompts_dir: str | Path = DEFAULT_PROMPTS_DIR,
+                 skip: int = 0) -> list[Prompt]:
+    """Return `per_category` prompts for each of `categories`, grouped by category in the given order, after the
+    first `skip` of each category (held-out runs: the defaults were tuned on the suite's first prompts).
 
-    Raises `ValueError` for an unknown category, a missing prompt file, or a category with too few prompts.
+    Raises `ValueError` for an unknown category, a missing prompt file, a negative `skip`, or a category with too
+    few prompts.
     """
-    unknown = [name for name in categories if name not in CATEGORIES]
-    if unknown:
-        raise ValueError(f"unknown categories {unknown}; valid categories: {sorted(CATEGORIES)}")
     if per_category < 1:
         raise ValueError(f"prompts per category must be at least 1, got {per_category}")
+    if skip < 0:
+        raise ValueError(f"prompts to skip must be at least 0, got {skip}")
     prompts: list[Prompt] = []
     for name in categories:
-        spec = CATEGORIES[name]
-        by_source = _read_by_source(Path(prompts_dir) / spec.file, spec.sources)
-        picked = _round_robin([by_source[source] for source in spec.sources], per_category)
-        if len(picked) < per_category:
-            raise ValueError(f"category {name!r} has only {len(picked)} prompts, {per_category} requested")
-        prompts += [Prompt(id=item["id"], category=name, text=item["turns"][0], chat=spec.chat) for item in picked]
+        every = _category_prompts(name, prompts_dir)
+        if len(every) < skip + per_category:
+            wanted = f"{skip} skipped and {per_category}" if skip else str(per_category)
+            raise ValueError(f"category {name!r} has only {len(every)} prompts, {wanted} requested")
+        prompts += every[skip:skip + per_category]
     return prompts
+
+
+def prompt_index(categories, prompts_dir: str | Path = DEFAULT_PROMPTS_DIR) -> dict[str, Prompt]:
+    """Every prompt of `categories` by id (to find a result file's prompts, whichever its run skipped)."""
+    return {prompt.id: prompt for name in categories for prompt in _category_prompts(name, prompts_dir)}
+
+
+def _category_prompts(name: str, prompts_dir: str | Path) -> list[Prompt]:
+    """All prompts of suite category `name` in selection order; `ValueError` for an unknown category."""
+    if name not in CATEGORIES:
+        raise ValueError(f"unknown categories {[name]}; valid categories: {sorted(CATEGORIES)}")
+    spec = CATEGORIES[name]
+    by_source = _read_by_source(Path(prompts_dir) / spec.file, spec.sources)
+    items = _round_robin([by_source[source] for source in spec.sources], sum(map(len, by_source.values())))
+    return [Prompt(id=item["id"], category=name, text=item["turns"][0], chat=spec.chat) for item in items]
 
 
 def encode(tokenizer, prompt: Prompt) -> torch.Tensor:

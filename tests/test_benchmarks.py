@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_generate  # noqa: E402  (the benchmarks folder is not a package)
 import harness  # noqa: E402
-from prompts import Prompt, encode, load_prompts  # noqa: E402
+from prompts import Prompt, encode, load_prompts, prompt_index  # noqa: E402
 from tiny_models import word_tokenizer  # noqa: E402
 
 from lookahead import LookaheadConfig  # noqa: E402
@@ -134,6 +134,14 @@ def test_load_prompts_round_robin_and_errors(tmp_path):
         load_prompts(["poetry"], 1, tmp_path)
     with pytest.raises(ValueError, match="prompt file not found"):
         load_prompts(["code"], 1, tmp_path)
+    held_out = load_prompts(["chat"], 2, tmp_path, skip=2)
+    assert [p.id for p in held_out] == ["s/4", "s/1"]  # after writing and roleplay: math, the 2nd writing
+    with pytest.raises(ValueError, match="only 4 prompts, 3 skipped and 2 requested"):
+        load_prompts(["chat"], 2, tmp_path, skip=3)
+    with pytest.raises(ValueError, match="at least 0"):
+        load_prompts(["chat"], 1, tmp_path, skip=-1)
+    index = prompt_index(["chat", "rag"], tmp_path)
+    assert sorted(index) == ["s/0", "s/1", "s/2", "s/3", "s/4"] and index["s/3"].category == "rag"
 
 
 @pytest.mark.parametrize(("pairs", "expected"), [
