@@ -10,6 +10,7 @@ from lookahead.cli.calibrate import calibrate
 from lookahead.cli.options import (arithmetic_options, build_config, datastore_options, draft_choice, head_options,
                                    placement_kwargs, read_prompt, sampling_kwargs)
 from lookahead.cli.serve import serve
+from lookahead.cli.build_prior import build_prior
 from lookahead.cli.train_head import train_head
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
@@ -80,6 +81,7 @@ def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sam
 main.add_command(serve)
 main.add_command(calibrate)
 main.add_command(train_head)
+main.add_command(build_prior)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -78,7 +78,12 @@ def arithmetic_options(command):
 
 
 def head_options(command):
-    """Add `--draft-head FILE` and `--head-candidates N` (the knobs `draft_head`, `head_candidates`) to a command."""
+    """Add `--draft-head FILE`, `--head-candidates N` and `--recycle-prior` (the knobs `draft_head`,
+    `head_candidates`, `recycle_prior`) to a command."""
+    command = click.option("--recycle-prior", metavar="auto|none|FILE", default=None,
+                           help="Seed token recycling's table with what the model chooses after each token in its "
+                                "own text: auto (default) = the prior shipped for the model, none, or a file from "
+                                "`lookahead build-prior`. Outputs do not change.")(command)
     command = click.option("--head-candidates", type=click.IntRange(0, 16), default=None,
                            help="Tokens the learned draft head proposes after the root each step (0 = off).")(command)
     return click.option("--draft-head", metavar="auto|FILE", default=None,
@@ -87,12 +92,14 @@ def head_options(command):
 
 
 def check_head(model, config: LookaheadConfig):
-    """The draft head `config` asks for, loaded for `model` (None when there is none or it is off); raises
-    `click.ClickException` for a file that is not a head for this model."""
+    """Load the draft head and the recycling prior `config` asks for, for `model` (so a bad file fails before the
+    first generation); raises `click.ClickException` for a file that is not a head or a prior for this model."""
     from lookahead.head_files import configured_head
+    from lookahead.recycle_prior import configured_prior
 
     try:
-        return configured_head(model, config)
+        configured_head(model, config)
+        configured_prior(model, config)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
 

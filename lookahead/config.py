@@ -22,7 +22,9 @@ class LookaheadConfig:
         matching suffixes of `prompt_min_ngram..prompt_max_ngram` tokens.
       - recycle: token recycling, a draft tree of up to `recycle_nodes` nodes (0 = off) grown from the root
         over a table of the target's own top-`recycle_k` next tokens per token, kept from every verification
-        forward (see `recycle.py`).
+        forward (see `recycle.py`). `recycle_prior`: rows for tokens no verification has filled yet, counted in
+        the model's own text (`recycle_prior.py`): "auto" (the default: the prior shipped for the model, none if
+        none is), None or "none" (none) or a prior file's path.
       - shared: up to `shared_candidates` continuations from a cross-request drafter, when one is given.
       - draft model: a chain of up to `draft_tokens` tokens per step, when a draft model is given.
       - head (opt-in): a learned predictor of the token after the root from the target's own last hidden state
@@ -76,6 +78,7 @@ class LookaheadConfig:
     shared_candidates: int = 3
     recycle_nodes: int = 12
     recycle_k: int = 8
+    recycle_prior: str | None = "auto"
     draft_tokens: int = 4
     head_candidates: int = 3
     draft_head: str | None = None
@@ -106,6 +109,9 @@ class LookaheadConfig:
         _check_range("recycle_nodes", self.recycle_nodes, 0, 256)
         _check_range("recycle_k", self.recycle_k, 1, 64)
         _check_range("draft_tokens", self.draft_tokens, 1, 64)
+        if self.recycle_prior is not None and (not isinstance(self.recycle_prior, str) or not self.recycle_prior):
+            raise ValueError(f'recycle_prior must be None, "auto", "none" or a prior file path, '
+                             f'got {self.recycle_prior!r}')
         _check_range("head_candidates", self.head_candidates, 0, 16)
         if self.draft_head is not None and (not isinstance(self.draft_head, str) or not self.draft_head):
             raise ValueError(f'draft_head must be None, "auto" or a head file path, got {self.draft_head!r}')

@@ -16,6 +16,7 @@ from .draft_model import NO_CHAIN, ModelDrafter
 from .ngram_pool import NGramPool
 from .prompt_lookup import PromptLookup
 from .recycle import NO_NOISE, RecycleDrafter, RecycleTable
+from .recycle_prior import RecyclePrior
 from .tree import DraftTree
 from .verify import SampledDrafts
 
@@ -46,11 +47,12 @@ class Drafters:
 
     def __init__(self, config: LookaheadConfig, vocab_size: int, context: np.ndarray,
                  shared: SharedDrafter | None = None, model_drafter: ModelDrafter | None = None,
-                 recycle_table: RecycleTable | None = None, head: DraftHead | None = None):
+                 recycle_table: RecycleTable | None = None, head: DraftHead | None = None,
+                 recycle_prior: RecyclePrior | None = None):
         """context: [n] int64, the prompt (committed text so far); shared: optional cross-request drafter;
         model_drafter: optional draft model (its chain is ranked first); recycle_table: a token-recycling table
         shared with other generations (None: a private one; unused when `config.recycle_nodes` is 0); head: a
-        learned head (None or `config.head_candidates` 0: none)."""
+        learned head (None or `config.head_candidates` 0: none); recycle_prior: seeds the table's empty rows."""
         self.config, self.shared, self.model_drafter = config, shared, model_drafter
         self._chain = NO_CHAIN  # the draft model's chain of the current step
         self.prompt = PromptLookup(max_ngram=config.prompt_max_ngram, min_ngram=config.prompt_min_ngram) \
@@ -59,7 +61,7 @@ class Drafters:
                               per_key=config.pool_per_key, vocab_size=vocab_size) \
             if config.pool_candidates else None
         self.recycle = RecycleDrafter(recycle_table, vocab_size, config.recycle_k, config.recycle_nodes,
-                                      config.max_draft_len) if config.recycle_nodes else None
+                                      config.max_draft_len, recycle_prior) if config.recycle_nodes else None
         self.head = head if config.head_candidates else None
         self._hidden: torch.Tensor | None = None  # the target's hidden state of the row that chose the root
         self._text_len = 0

@@ -50,16 +50,24 @@ def save_head(path: str | Path, weights: dict[str, torch.Tensor], vocab: torch.T
                                             "model": name, "trained": trained})
 
 
-def read_metadata(path: str | Path) -> dict[str, str]:
-    """The text metadata of the head file at `path`. Raises `ValueError` when it is not a head file."""
+def read_metadata(path: str | Path, kind: str = FORMAT, what: str = "draft head") -> dict[str, str]:
+    """The text metadata of the `kind` file at `path` (a draft head's by default; `what` names the kind in
+    errors). Raises `ValueError` when it is not such a file."""
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
     except Exception as error:  # noqa: BLE001 — any unreadable file is reported the same way
-        raise ValueError(f"{path} is not a readable draft head file ({error})") from None
-    if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a lookahead draft head file (format {metadata.get('format')!r})")
+        raise ValueError(f"{path} is not a readable {what} file ({error})") from None
+    if metadata.get("format") != kind:
+        raise ValueError(f"{path} is not a lookahead {what} file (format {metadata.get('format')!r})")
     return metadata
+
+
+def check_fingerprint(metadata: dict[str, str], path: str | Path, model, what: str = "draft head") -> None:
+    """Raise `ValueError` unless the file at `path` (its `metadata`) was made for `model`."""
+    if metadata.get("fingerprint") != model_fingerprint(model):
+        raise ValueError(f"{what} {path} was made for {metadata.get('model')!r} "
+                         f"(fingerprint {metadata.get('fingerprint')}), not this model ({model_fingerprint(model)})")
 
 
 def load_head(path: str | Path, model) -> DraftHead:
@@ -72,10 +80,7 @@ def load_head(path: str | Path, model) -> DraftHead:
 def read_head(path: str | Path, model) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(weights, output vocabulary) of the head file at `path` made for `model`. Raises `ValueError` when it is not
     a head file, was made for another model, or its shapes do not fit the model's hidden size."""
-    metadata = read_metadata(path)
-    if metadata.get("fingerprint") != model_fingerprint(model):
-        raise ValueError(f"draft head {path} was trained for {metadata.get('model')!r} "
-                         f"(fingerprint {metadata.get('fingerprint')}), not this model ({model_fingerprint(model)})")
+    check_fingerprint(read_metadata(path), path, model)
     with safe_open(str(path), framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
     if "vocab" not in tensors:
@@ -87,10 +92,15 @@ def read_head(path: str | Path, model) -> tuple[dict[str, torch.Tensor], torch.T
 
 def find_head(model) -> Path | None:
     """The packaged head file made for `model` (matching fingerprint), or None."""
+    return find_packaged(model, PACKAGED, FORMAT)
+
+
+def find_packaged(model, folder: Path, kind: str) -> Path | None:
+    """The `kind` file in `folder` made for `model` (matching fingerprint), or None."""
     fingerprint = model_fingerprint(model)
-    for path in sorted(PACKAGED.glob("*.safetensors")):
+    for path in sorted(folder.glob("*.safetensors")):
         try:
-            if read_metadata(path).get("fingerprint") == fingerprint:
+            if read_metadata(path, kind).get("fingerprint") == fingerprint:
                 return path
         except ValueError:
             continue

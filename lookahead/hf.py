@@ -30,6 +30,7 @@ from .decoder import Decoder
 from .distributed import agreement, leader_value
 from .draft_model import check_draft_model
 from .head_files import configured_head
+from .recycle_prior import configured_prior
 from .lean_layers import lean_layers
 from .packed_linear import packed_linears
 from .recycle import RecycleTable
@@ -110,7 +111,8 @@ class Lookahead:
                                 pad_finished=any(hasattr(c, "eos_token_id") for c in stopping_criteria),
                                 record_scores=_wants_scores(generation_config),
                                 copies=generation_config.num_return_sequences or 1,
-                                follow_timings=self.fixed_curve is None, draft_head=configured_head(model, self.config))
+                                follow_timings=self.fixed_curve is None, draft_head=configured_head(model, self.config),
+                                recycle_prior=configured_prior(model, self.config))
         decoder = Decoder(model, self.config, request)
         with argmax_logits(model, self.config.argmax_head and _argmax_only(request)):
             sequences = decoder.run()

@@ -247,6 +247,21 @@ class RecycleTable:
             self.table, self.scores = state[0].copy(), state[1].copy()
             self.k = self.table.shape[1]
 
+    def seed(self, prior) -> None:
+        """Fill the rows of `prior`'s tokens (a `recycle_prior.RecyclePrior`) that hold no prediction yet with its
+        rows, cut or padded (-1) to the table's k; tokens and predictions outside the table's vocabulary are left
+        out. Rows already filled keep what verification stored."""
+        with self._lock:
+            vocab, k = self.table.shape
+            inside = prior.tokens < vocab
+            tokens, nxt, scores = prior.tokens[inside], prior.next[inside, :k], prior.scores[inside, :k]
+            empty = self.table[tokens, 0] < 0
+            rows = np.full((int(empty.sum()), k), -1, dtype=np.int32)
+            rows[:, :nxt.shape[1]] = np.where(nxt[empty] < vocab, nxt[empty], -1)
+            values = np.zeros(rows.shape, dtype=np.float32)
+            values[:, :nxt.shape[1]] = scores[empty]
+            self.table[tokens[empty]], self.scores[tokens[empty]] = rows, values
+
     @property
     def known_tokens(self) -> int:
         """How many token ids have a recycled prediction."""
@@ -312,12 +327,15 @@ class RecycleDrafter:
     """One sequence's view of a (possibly shared) `RecycleTable`: feeds it from verified rows and grows drafts.
 
     table: the shared table (None: a private one); vocab_size, k: its shape; max_nodes: nodes per draft;
-    max_depth: longest path.
+    max_depth: longest path; prior: a `recycle_prior.RecyclePrior` seeding the table's empty rows (None: none).
     """
 
-    def __init__(self, table: RecycleTable | None, vocab_size: int, k: int, max_nodes: int, max_depth: int):
+    def __init__(self, table: RecycleTable | None, vocab_size: int, k: int, max_nodes: int, max_depth: int,
+                 prior=None):
         self.table = table if table is not None else RecycleTable(k)
         self.table.ensure(vocab_size, k)
+        if prior is not None:
+            self.table.seed(prior)
         self.k = k
         self._grower = _Grower(max_nodes, max_depth, k)
 

@@ -13,6 +13,7 @@ from .cost_curve import CostCurve
 from .draft_head import DraftHead
 from .drafters import SharedDrafter
 from .recycle import RecycleTable
+from .recycle_prior import RecyclePrior
 
 
 @dataclass
@@ -33,7 +34,8 @@ class DecodeRequest:
     raw logits and processed scores for `Decoder.step_outputs`; copies: `num_return_sequences` (transformers
     has already repeated each prompt into that many adjacent sequences of `input_ids` and `prompt_kwargs`);
     follow_timings: correct the curve by the generation's own timed steps (False: plan on the curves alone);
-    draft_head: a learned head that drafts the token after the root from the target's hidden state (None: none).
+    draft_head: a learned head that drafts the token after the root from the target's hidden state (None: none);
+    recycle_prior: rows seeded into the recycling table's empty rows (`recycle_prior.py`; None: none).
     """
 
     input_ids: torch.Tensor
@@ -54,3 +56,4 @@ class DecodeRequest:
     copies: int = 1
     follow_timings: bool = True
     draft_head: DraftHead | None = None
+    recycle_prior: RecyclePrior | None = None

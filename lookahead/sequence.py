@@ -45,7 +45,7 @@ class Sequence:
         self.record = ScoreRecord() if request.record_scores else None  # for output_scores / output_logits
         # The recycling table outlives the request when the caller shares one (a `Lookahead` object, a server).
         self.drafters = Drafters(config, vocab_size, prompt, request.shared_drafter, self._model_drafter(),
-                                 request.recycle_table, request.draft_head)
+                                 request.recycle_table, request.draft_head, request.recycle_prior)
         self.window = JacobiWindow(config.window_levels, config.window_columns, config.seed or 0) \
             if use_window and config.window_size else None
         if self.window is not None:

@@ -273,7 +273,7 @@ def test_a_draft_head_for_another_model_or_not_a_head_is_a_one_line_error(tiny_f
     other = tiny_model("llama", dtype=torch.float32, seed=9, vocab=64)
     save_head(not_a_head, head_weights(HeadNet(32, 16)), torch.arange(8), other, "test")
     result = _run("hi", "--model", str(folder), "--draft-head", str(not_a_head))
-    assert result.exit_code != 0 and "was trained for" in result.output and "Traceback" not in result.output
+    assert result.exit_code != 0 and "was made for" in result.output and "Traceback" not in result.output
     result = _run("hi", "--model", str(folder), "--draft-head", str(tmp_path / "missing.safetensors"))
     assert result.exit_code != 0 and "does not exist" in result.output
     result = _run("hi", "--model", str(folder), "--draft-head", "auto")
@@ -299,6 +299,34 @@ def test_train_head_writes_a_head_that_generate_uses(tiny_folder, tmp_path):
     assert result.stdout.strip() == tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
+def test_build_prior_writes_a_prior_that_generate_uses(tiny_folder, tmp_path):
+    folder, model, tokenizer = tiny_folder
+    out, data = tmp_path / "tiny-prior.safetensors", tmp_path / "texts.pt"
+    args = ["build-prior", str(out), "--model", str(folder), "--sequences", "4", "--batch", "2", "--data", str(data),
+            "--min-count", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "distilled" in result.stderr and "rows" in result.output and out.is_file() and data.is_file()
+    again = CliRunner().invoke(main, args + ["--k", "2"])  # the texts are read back
+    assert again.exit_code == 0 and "read 4 distilled texts" in again.stderr and "top 2" in again.output
+    prompt = "def fibonacci(n):"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    plain = model.generate(ids, max_new_tokens=16, do_sample=False)
+    for spec in (str(out), "none", "auto"):  # "auto" finds no prior for a random model and drafts without one
+        result = _run(prompt, "--model", str(folder), "--max-new-tokens", "16", "--recycle-prior", spec)
+        assert result.exit_code == 0, result.output
+        assert result.stdout.strip() == tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    other = tiny_model("llama", dtype=torch.float32, seed=9, vocab=64)
+    save_head(tmp_path / "head.safetensors", head_weights(HeadNet(32, 16)), torch.arange(8), other, "test")
+    for bad, message in ((tmp_path / "head.safetensors", "not a lookahead recycling prior file"),
+                         (tmp_path / "missing.safetensors", "does not exist")):
+        result = _run(prompt, "--model", str(folder), "--recycle-prior", str(bad))
+        assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output
+    empty = CliRunner().invoke(main, ["build-prior", str(tmp_path / "p.safetensors"), "--model", str(folder),
+                                      "--data", str(data), "--min-count", "100000"])
+    assert empty.exit_code == 0 and "0 rows" in empty.output
+
+
 def test_train_head_refuses_a_missing_output_folder(tmp_path):
     result = CliRunner().invoke(main, ["train-head", str(tmp_path / "no" / "head.safetensors")])
     assert result.exit_code != 0 and "does not exist" in result.output and "Traceback" not in result.output
@@ -310,5 +338,5 @@ def test_train_head_refuses_an_init_head_of_another_model(tiny_folder, tmp_path)
     save_head(init, head_weights(HeadNet(32, 16)), torch.arange(8), other, "test")
     result = CliRunner().invoke(main, ["train-head", str(tmp_path / "h.safetensors"), "--model", str(folder),
                                        "--init", str(init)])
-    assert result.exit_code != 0 and "--init" in result.output and "was trained for" in result.output
+    assert result.exit_code != 0 and "--init" in result.output and "was made for" in result.output
     assert "Traceback" not in result.output

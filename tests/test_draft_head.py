@@ -103,7 +103,7 @@ def test_head_file_is_tied_to_its_model(trained, tmp_path):
     assert head_files.read_metadata(path)["fingerprint"] == head_files.model_fingerprint(model)
     assert isinstance(head_files.load_head(path, model), DraftHead)
     other = build_tiny_model("llama", dtype=torch.float32, seed=4, vocab=VOCAB)
-    with pytest.raises(ValueError, match="was trained for"):
+    with pytest.raises(ValueError, match="was made for"):
         head_files.load_head(path, other)
     not_a_head = tmp_path / "x.safetensors"
     not_a_head.write_bytes(b"not a safetensors file")
