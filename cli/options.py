@@ -135,8 +135,13 @@ def open_datastore(paths: tuple[str, ...], tokenizer, max_tokens: int, cache=Non
 
 def build_config(mode: str, knobs: dict) -> LookaheadConfig:
     """Build the config for `mode` ('lookahead' | 'off') with the pinned `knobs` (None = default); the knobs of
-    BOTH_MODES apply with `off` too. Raises `click.UsageError` for a bad value."""
+    BOTH_MODES apply with `off` too. Raises `click.UsageError` for a bad value or a knob that would do nothing."""
     pinned = {name: value for name, value in knobs.items() if value is not None}
+    if "head_candidates" in pinned and "draft_head" not in pinned:
+        raise click.UsageError("--head-candidates sets the learned head's proposals: add --draft-head")
+    if "window_columns" in pinned and not pinned.get("window_levels"):
+        raise click.UsageError("--window-columns sets the Jacobi window's width: add --window-levels N "
+                               "(the window is off by default)")
     if mode == "off":
         pinned = {name: value for name, value in pinned.items() if name in BOTH_MODES}
     try:

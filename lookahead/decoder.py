@@ -94,7 +94,7 @@ class Decoder:
         if getattr(self.model, "_supports_logits_to_keep", lambda: False)():
             kwargs.setdefault("logits_to_keep", 1)  # the LM head only for the last position
         inputs = self.model.prepare_inputs_for_generation(request.input_ids[::copies], is_first_iteration=True,
-                                                          **kwargs)
+                                                          next_sequence_length=request.uncached, **kwargs)
         logits = prefill_by_prompt(self.model, inputs, self.cache)  # [B / copies, V] or None: batched
         if logits is None:
             logits = self.model(**inputs, return_dict=True).logits[:, -1]

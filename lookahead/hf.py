@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -30,10 +33,10 @@ from .decoder import Decoder
 from .distributed import agreement, leader_value
 from .draft_model import check_draft_model
 from .head_files import configured_head
-from .recycle_prior import configured_prior
 from .lean_layers import lean_layers
 from .packed_linear import packed_linears
 from .recycle import RecycleTable
+from .recycle_prior import configured_prior
 from .request import DecodeRequest
 from .row_kernels import RowKernels, apply_row_kernels, row_kernels_for
 from .stats import DecodeStats
@@ -41,6 +44,13 @@ from .top_p import faster_warpers
 
 _UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
 _PATCH_ATTR = "_lookahead_patch"
+# Decoding methods `generate` would run that lookahead's loop does not: named in the refusal.
+_REFUSED_MODES = {GenerationMode.CONTRASTIVE_SEARCH: "contrastive search (penalty_alpha with top_k > 1)",
+                  GenerationMode.DOLA_GENERATION: "DoLa decoding (dola_layers)",
+                  GenerationMode.CONSTRAINED_BEAM_SEARCH: "constrained beam search (constraints / force_words_ids)",
+                  GenerationMode.GROUP_BEAM_SEARCH: "group beam search (num_beam_groups)"}
+_MODEL_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → the RLock its generations hold
+_LOCKS_GUARD = threading.Lock()
 
 
 class Lookahead:
@@ -63,6 +73,9 @@ class Lookahead:
 
     def __init__(self, config: LookaheadConfig | None = None, shared_drafter=None, draft_model=None,
                  recycle_table: RecycleTable | None = None, cost_curve: CostCurve | None = None, **overrides):
+        if config is not None and not isinstance(config, LookaheadConfig):
+            raise TypeError(f"config must be a LookaheadConfig (or None), got {type(config).__name__}; pass "
+                            "options as keywords instead: Lookahead(tree_budget=8, ...)")
         self.config = (config or LookaheadConfig()).with_overrides(**overrides)
         if cost_curve is not None and not isinstance(cost_curve, CostCurve):
             raise TypeError(f"cost_curve must be a lookahead CostCurve, got {type(cost_curve).__name__}")
@@ -82,7 +95,7 @@ class Lookahead:
         """Decoding loop called by `generate`; returns what `generate` would (sequences or a dict output).
         Raises `compat.UnsupportedTransformers` on a transformers release lookahead does not support."""
         check_transformers()
-        with generation_arithmetic(model, self.config):
+        with _model_lock(model), generation_arithmetic(model, self.config):
             return self._generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                   lookahead_streamer, model_kwargs)
 
@@ -112,7 +125,8 @@ class Lookahead:
                                 record_scores=_wants_scores(generation_config),
                                 copies=generation_config.num_return_sequences or 1,
                                 follow_timings=self.fixed_curve is None, draft_head=configured_head(model, self.config),
-                                recycle_prior=configured_prior(model, self.config))
+                                recycle_prior=configured_prior(model, self.config),
+                                uncached=_uncached_length(model, input_ids, generation_config, model_kwargs))
         decoder = Decoder(model, self.config, request)
         with argmax_logits(model, self.config.argmax_head and _argmax_only(request)):
             sequences = decoder.run()
@@ -166,6 +180,22 @@ def chosen_row_kernels(model, config: LookaheadConfig, refresh: bool = False) ->
                       measured.large)
 
 
+def _uncached_length(model, input_ids: torch.Tensor, config: GenerationConfig, model_kwargs: dict) -> int | None:
+    """How many of each prompt's last tokens are not in the cache the caller passed (`past_key_values`), when the
+    prompt repeats the cached ones — None: feed the whole prompt. transformers' own prefill slices the same way: a
+    prompt as long as the attention mask (or its recorded length once an all-ones mask was dropped) restarts from
+    the cache and only its uncached tail is forwarded; inputs_embeds always hold the whole sequence."""
+    cache = model_kwargs.get("past_key_values")
+    if cache is None:
+        return None
+    cached = cache.get_seq_length()
+    if model_kwargs.get("inputs_embeds") is not None:
+        return model_kwargs["inputs_embeds"].shape[1] - cached
+    mask = model_kwargs.get("attention_mask")
+    mask_length = mask.shape[1] if mask is not None else getattr(config, "_mask_length", -1)
+    return input_ids.shape[1] - cached if mask_length == input_ids.shape[1] else None
+
+
 def _pad_token(config: GenerationConfig) -> int | None:
     """The pad token `generate` fills finished sequences with (prepared by transformers; may be None)."""
     pad = getattr(config, "_pad_token_tensor", None)
@@ -183,8 +213,21 @@ def _wants_scores(config: GenerationConfig) -> bool:
     return bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
 
 
+def _model_lock(model) -> threading.RLock:
+    """The lock a generation holds on `model`: generation swaps the model's layers and kernels in and out for the
+    call, so calls from several threads run one after the other (re-entrant for a nested call in one thread)."""
+    with _LOCKS_GUARD:
+        return _MODEL_LOCKS.setdefault(model, threading.RLock())
+
+
 def _check_generation_config(config: GenerationConfig, input_ids: torch.Tensor) -> None:
     """Raise `ValueError` naming any generation option lookahead cannot honour exactly."""
+    mode = config.get_generation_mode()
+    if mode in _REFUSED_MODES:
+        raise ValueError(f"lookahead does not support {_REFUSED_MODES[mode]}; use plain model.generate for it")
+    if config.use_cache is False:
+        raise ValueError("lookahead decodes with the KV cache (use_cache=False was passed); drop use_cache=False "
+                         "(the tokens do not change) or use plain model.generate")
     if (config.num_beams or 1) > 1:
         raise ValueError(f"lookahead does not support beam search (num_beams={config.num_beams}); "
                          "use plain model.generate for beam search")
@@ -230,6 +273,10 @@ def _patched_generate(original, decoder: Lookahead, *args, **kwargs):
     if kwargs.get("assistant_model") is not None:
         raise ValueError("assistant_model= (assisted generation) cannot be combined with lookahead; "
                          "unpatch the model to use HF assisted generation")
+    config = kwargs.get("generation_config") or original.__self__.generation_config
+    if kwargs.get("token_healing", config.token_healing):
+        raise ValueError("lookahead does not support token_healing (transformers does not hand the tokenizer to a "
+                         "custom decoding loop); unpatch the model to heal the prompt's last tokens")
     streamer = kwargs.pop("streamer", None)
     if streamer is not None:
         kwargs["lookahead_streamer"] = streamer

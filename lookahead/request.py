@@ -35,7 +35,9 @@ class DecodeRequest:
     has already repeated each prompt into that many adjacent sequences of `input_ids` and `prompt_kwargs`);
     follow_timings: correct the curve by the generation's own timed steps (False: plan on the curves alone);
     draft_head: a learned head that drafts the token after the root from the target's hidden state (None: none);
-    recycle_prior: rows seeded into the recycling table's empty rows (`recycle_prior.py`; None: none).
+    recycle_prior: rows seeded into the recycling table's empty rows (`recycle_prior.py`; None: none);
+    uncached: how many of each prompt's last tokens the prefill forwards when the prompt restarts from a cache the
+    caller passed and repeats its tokens (None: the whole prompt), as transformers' own prefill slices it.
     """
 
     input_ids: torch.Tensor
@@ -57,3 +59,4 @@ class DecodeRequest:
     follow_timings: bool = True
     draft_head: DraftHead | None = None
     recycle_prior: RecyclePrior | None = None
+    uncached: int | None = None

@@ -340,3 +340,12 @@ def test_train_head_refuses_an_init_head_of_another_model(tiny_folder, tmp_path)
                                        "--init", str(init)])
     assert result.exit_code != 0 and "--init" in result.output and "was made for" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--head-candidates", "5"], "add --draft-head"),
+    (["--window-columns", "8"], "add --window-levels"),
+])
+def test_knobs_that_would_do_nothing_are_refused(args, message):
+    result = _run("hi", *args)
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output

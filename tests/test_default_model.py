@@ -223,3 +223,20 @@ def test_default_model_ships_its_recycling_prior_and_drafts_from_it(default_mode
             steps, tokens = steps + decoder.last_stats.steps, tokens + decoder.last_stats.new_tokens
         per_step[spec] = tokens / steps
     assert per_step["auto"] > per_step["none"]
+
+
+def test_default_model_continues_a_conversation_from_its_cache(default_model):
+    """The next turn restarts from the first turn's cache (`past_key_values=`, the whole text passed again with
+    the new tokens appended): plain generate's tokens, and a cache as long as plain's."""
+    import copy
+
+    model, tokenizer = default_model
+    ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
+    first = model.generate(ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    follow = tokenizer("\n\n# now a factorial\ndef fact(n):", return_tensors="pt").input_ids
+    whole = torch.cat([first.sequences, follow], dim=1)
+    runs = [model.generate(whole, past_key_values=copy.deepcopy(first.past_key_values), do_sample=False,
+                           max_new_tokens=MAX_NEW_TOKENS, return_dict_in_generate=True, **extra)
+            for extra in ({}, {"custom_generate": Lookahead(cost_curve=INJECTED_CURVE)})]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert runs[0].past_key_values.get_seq_length() == runs[1].past_key_values.get_seq_length()

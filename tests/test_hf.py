@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+
 import pytest
 import torch
 from tiny_models import build_tiny_model as tiny_model, repetitive_prompt
@@ -105,10 +109,63 @@ def test_return_dict_in_generate_gives_sequences(model):
     (dict(num_beams=2), "beam search"),
     (dict(return_dict_in_generate=True, output_attentions=True), "output_attentions"),
     (dict(return_dict_in_generate=True, output_hidden_states=True), "output_hidden_states"),
+    (dict(dola_layers="low"), "DoLa decoding"),
+    (dict(penalty_alpha=0.6, top_k=4), "contrastive search"),
+    (dict(force_words_ids=[[3]]), "constrained beam search"),
+    (dict(num_beams=2, num_beam_groups=2, diversity_penalty=1.0), "group beam search"),
+    (dict(use_cache=False), "use_cache=False"),
 ])
 def test_unsupported_options_are_refused(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         model.generate(repetitive_prompt(0), max_new_tokens=5, custom_generate=Lookahead(), **kwargs)
+
+
+def test_a_config_of_another_type_and_token_healing_are_refused(model):
+    with pytest.raises(TypeError, match="config must be a LookaheadConfig"):
+        Lookahead({"tree_budget": 4})
+    lookahead.patch(model)
+    with pytest.raises(ValueError, match="token_healing"):
+        model.generate(repetitive_prompt(0), max_new_tokens=5, token_healing=True)
+    lookahead.unpatch(model)
+
+
+def test_generations_on_one_model_from_several_threads_run_one_at_a_time(model, monkeypatch):
+    """Generation swaps the model's layers in and out for the call: concurrent calls on one patched model wait
+    for each other (here each holds the swapped-in state for 50 ms) and all give plain greedy's tokens."""
+    from lookahead import hf
+
+    active, most, real = [0], [0], hf.generation_arithmetic
+
+    @contextlib.contextmanager
+    def held(*args, **kwargs):
+        with real(*args, **kwargs) as described:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+            time.sleep(0.05)
+            try:
+                yield described
+            finally:
+                active[0] -= 1
+
+    monkeypatch.setattr(hf, "generation_arithmetic", held)
+    plain = model.generate(repetitive_prompt(0), do_sample=False, max_new_tokens=16)
+    lookahead.patch(model)
+    outputs, errors = [], []
+
+    def run():
+        try:
+            outputs.append(model.generate(repetitive_prompt(0), do_sample=False, max_new_tokens=16))
+        except Exception as error:  # noqa: BLE001 — reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    lookahead.unpatch(model)
+    assert not errors and len(outputs) == 3 and all(torch.equal(out, plain) for out in outputs)
+    assert most[0] == 1
 
 
 def test_streamer_with_a_batch_is_refused(model):
