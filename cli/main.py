@@ -6,11 +6,11 @@ import sys
 
 import click
 
+from lookahead.cli.build_prior import build_prior
 from lookahead.cli.calibrate import calibrate
 from lookahead.cli.options import (arithmetic_options, build_config, datastore_options, draft_choice, head_options,
                                    placement_kwargs, read_prompt, sampling_kwargs)
 from lookahead.cli.serve import serve
-from lookahead.cli.build_prior import build_prior
 from lookahead.cli.train_head import train_head
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C

@@ -23,6 +23,7 @@ def train_head(out, model_path, sequences, epochs, vocab_size, batch, data, init
     with `lookahead generate --draft-head OUT`; heads shipped in lookahead/heads/ are found automatically."""
     from lookahead.head_files import read_head, save_head
     from lookahead.head_training import fit, head_weights
+
     model, tokenizer = model_for(out, model_path)
     try:
         start = None if init is None else read_head(init, model)
@@ -36,4 +37,3 @@ def train_head(out, model_path, sequences, epochs, vocab_size, batch, data, init
            f"held-out top-1 {result['top1'][-1]:.3f}")
     save_head(out, head_weights(net), vocab, model, how)
     click.echo(f"wrote {out}: {how}")
-

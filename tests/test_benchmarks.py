@@ -238,3 +238,12 @@ def test_batch_benchmark_argument_errors(capsys):
         with pytest.raises(SystemExit):
             bench_batch.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_each_lookahead_method_runs_its_own_config():
+    kwargs = bench_generate.method_kwargs(["lookahead", "lookahead_no_prior", "lookahead_head", "lookahead_off"],
+                                          LookaheadConfig(tree_budget=8), 10, None)
+    configs = {method: extra["custom_generate"].config for method, extra in kwargs.items()}
+    assert configs["lookahead"].recycle_prior == "auto" and configs["lookahead_no_prior"].recycle_prior is None
+    assert configs["lookahead_no_prior"].tree_budget == 8 and configs["lookahead_head"].draft_head == "auto"
+    assert configs["lookahead_off"].tree_budget == 0
