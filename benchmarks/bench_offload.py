@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_info(args.threads)
     with tempfile.TemporaryDirectory(prefix="lookahead-offload-") as folder:
         model, tokenizer = load_offloaded(args.disk_layers, folder)
-        runs = run_prompts(model, tokenizer, load_prompts(args.categories, args.prompts_per_category, args.prompts_dir, args.skip_prompts),
-                           args.max_new_tokens, args.repeats, lookahead)
+        prompts = load_prompts(args.categories, args.prompts_per_category, args.prompts_dir, args.skip_prompts)
+        runs = run_prompts(model, tokenizer, prompts, args.max_new_tokens, args.repeats, lookahead)
         step = step_ratio(model)
     close_load_average(machine)
     result = headed({"disk_layers": args.disk_layers, "cpu_flags": cpu_flags(), "step_cost": step,
