@@ -34,11 +34,18 @@ def model_fingerprint(model) -> str:
     bytes of its first 64 input embedding rows and of its final norm's weight (when it has one)."""
     config = model.config.get_text_config()
     digest = hashlib.sha256(f"{config.hidden_size}/{config.vocab_size}/{config.num_hidden_layers}".encode())
-    digest.update(model.get_input_embeddings().weight.detach()[:64].float().contiguous().numpy().tobytes())
+    digest.update(_whole(model.get_input_embeddings().weight)[:64].float().contiguous().numpy().tobytes())
     norm = getattr(getattr(model, "model", None), "norm", None)
     if getattr(norm, "weight", None) is not None:
-        digest.update(norm.weight.detach().float().contiguous().numpy().tobytes())
+        digest.update(_whole(norm.weight).float().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def _whole(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` detached as one plain tensor: a tensor-parallel shard (a DTensor) gathered whole (a collective:
+    every rank calls it, as every rank runs the same generation)."""
+    weight = weight.detach()
+    return weight.full_tensor() if callable(getattr(weight, "full_tensor", None)) else weight
 
 
 def save_head(path: str | Path, weights: dict[str, torch.Tensor], vocab: torch.Tensor, model, trained: str) -> None:
