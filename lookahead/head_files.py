@@ -43,8 +43,11 @@ def model_fingerprint(model) -> str:
 
 def _whole(weight: torch.Tensor) -> torch.Tensor:
     """`weight` detached as one plain tensor: a tensor-parallel shard (a DTensor) gathered whole (a collective:
-    every rank calls it, as every rank runs the same generation)."""
+    every rank calls it, as every rank runs the same generation). Raises `ValueError` for a weight without values
+    here (on the meta device: offloaded to disk by a device map)."""
     weight = weight.detach()
+    if weight.is_meta:
+        raise ValueError("the model's embeddings are offloaded (meta device): its fingerprint cannot be read")
     return weight.full_tensor() if callable(getattr(weight, "full_tensor", None)) else weight
 
 
@@ -103,8 +106,12 @@ def find_head(model) -> Path | None:
 
 
 def find_packaged(model, folder: Path, kind: str) -> Path | None:
-    """The `kind` file in `folder` made for `model` (matching fingerprint), or None."""
-    fingerprint = model_fingerprint(model)
+    """The `kind` file in `folder` made for `model` (matching fingerprint), or None (also when the model's
+    fingerprint cannot be read: embeddings offloaded to disk)."""
+    try:
+        fingerprint = model_fingerprint(model)
+    except ValueError:
+        return None
     for path in sorted(folder.glob("*.safetensors")):
         try:
             if read_metadata(path, kind).get("fingerprint") == fingerprint:

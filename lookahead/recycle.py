@@ -28,11 +28,15 @@ calls, a server's requests); all methods are thread-safe.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
 
 from .gumbel import gumbel_of
+
+if TYPE_CHECKING:  # recycle_prior imports what the head files need; the table only reads a prior's arrays
+    from .recycle_prior import RecyclePrior
 
 # A first-placed child holding at least this share of its row's recycled probability is "confident" (class 0).
 # Measured on the default model (greedy, 4 prompts each of chat / code / summarization, 96 tokens): the recycled
@@ -247,7 +251,7 @@ class RecycleTable:
             self.table, self.scores = state[0].copy(), state[1].copy()
             self.k = self.table.shape[1]
 
-    def seed(self, prior) -> None:
+    def seed(self, prior: "RecyclePrior") -> None:
         """Fill the rows of `prior`'s tokens (a `recycle_prior.RecyclePrior`) that hold no prediction yet with its
         rows, cut or padded (-1) to the table's k; tokens and predictions outside the table's vocabulary are left
         out. Rows already filled keep what verification stored."""
@@ -331,7 +335,7 @@ class RecycleDrafter:
     """
 
     def __init__(self, table: RecycleTable | None, vocab_size: int, k: int, max_nodes: int, max_depth: int,
-                 prior=None):
+                 prior: "RecyclePrior | None" = None):
         self.table = table if table is not None else RecycleTable(k)
         self.table.ensure(vocab_size, k)
         if prior is not None:

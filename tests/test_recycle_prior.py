@@ -114,3 +114,10 @@ def test_seeded_sampling_draws_the_same_tokens_with_and_without_a_prior(tmp_path
                               custom_generate=Lookahead(seed=7, recycle_prior=spec, **RECYCLE_ONLY))
                for spec in (None, path, "none")]
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+def test_no_packaged_prior_is_looked_up_for_offloaded_embeddings():
+    model = build_tiny_model("llama", seed=1)
+    embeddings = model.get_input_embeddings()
+    embeddings.weight = torch.nn.Parameter(torch.empty_like(embeddings.weight, device="meta"))
+    assert prior_for(model, "auto") is None
