@@ -25,7 +25,8 @@ from .draft_head import DraftHead, check_weights
 
 FORMAT = "lookahead-draft-head"
 PACKAGED = Path(__file__).parent / "heads"
-_LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → {"auto" or a resolved path: DraftHead}
+# model → {(file kind, "auto" or a resolved path): what was loaded for it (a DraftHead, a RecyclePrior or None)}
+_LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
@@ -75,9 +76,10 @@ def read_metadata(path: str | Path, kind: str = FORMAT, what: str = "draft head"
 
 def check_fingerprint(metadata: dict[str, str], path: str | Path, model, what: str = "draft head") -> None:
     """Raise `ValueError` unless the file at `path` (its `metadata`) was made for `model`."""
-    if metadata.get("fingerprint") != model_fingerprint(model):
+    fingerprint = model_fingerprint(model)
+    if metadata.get("fingerprint") != fingerprint:
         raise ValueError(f"{what} {path} was made for {metadata.get('model')!r} "
-                         f"(fingerprint {metadata.get('fingerprint')}), not this model ({model_fingerprint(model)})")
+                         f"(fingerprint {metadata.get('fingerprint')}), not this model ({fingerprint})")
 
 
 def load_head(path: str | Path, model) -> DraftHead:
@@ -125,12 +127,18 @@ def head_for(model, spec: str = "auto") -> DraftHead:
     """The `DraftHead` for `model`: `spec` "auto" the packaged head made for the model, else the head file at path
     `spec`. Found and loaded once per model and spec, then shared (a server's requests, a `Lookahead`'s calls).
     Raises `ValueError` when "auto" finds no head for the model, the file does not exist, or as `load_head` does."""
-    key = spec if spec == "auto" else str(Path(spec).resolve())
+    return loaded_once(model, FORMAT, spec, lambda: load_head(_head_file(model, spec), model))
+
+
+def loaded_once(model, kind: str, spec: str, load):
+    """What `load()` returns for `model` and the `kind` file `spec` names ("auto" or a path): loaded on the first
+    call, then the same object for every later one (a server's requests, a `Lookahead`'s calls)."""
+    key = (kind, spec if spec == "auto" else str(Path(spec).resolve()))
     with _LOCK:
-        heads = _LOADED.setdefault(model, {})
-        if key not in heads:
-            heads[key] = load_head(_head_file(model, spec), model)
-        return heads[key]
+        loaded = _LOADED.setdefault(model, {})
+        if key not in loaded:
+            loaded[key] = load()
+        return loaded[key]
 
 
 def configured_head(model, config) -> DraftHead | None:

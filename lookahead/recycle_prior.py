@@ -19,8 +19,6 @@ made for the model (None when none is).
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,14 +27,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .head_files import check_fingerprint, find_packaged, model_fingerprint, read_metadata
+from .head_files import check_fingerprint, find_packaged, loaded_once, model_fingerprint, read_metadata
 
 FORMAT = "lookahead-recycle-prior"
 WHAT = "recycling prior"
 PACKAGED = Path(__file__).parent / "priors"
 MIN_COUNT = 2  # a token's occurrences in the texts before its row is kept
-_LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → {spec: RecyclePrior or None}
-_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -114,12 +110,7 @@ def prior_for(model, spec: str | None = "auto") -> RecyclePrior | None:
     shared. Raises `ValueError` when the file does not exist or as `load_prior` does."""
     if spec is None or spec == "none":
         return None
-    key = spec if spec == "auto" else str(Path(spec).resolve())
-    with _LOCK:
-        priors = _LOADED.setdefault(model, {})
-        if key not in priors:
-            priors[key] = _load(model, spec)
-        return priors[key]
+    return loaded_once(model, FORMAT, spec, lambda: _load(model, spec))
 
 
 def configured_prior(model, config) -> RecyclePrior | None:
