@@ -51,11 +51,12 @@ ABLATION = {
 }
 HEAD_METHOD = "lookahead_head"  # `--head`: the lookahead config with the learned draft head shipped for the model
 NO_PRIOR_METHOD = "lookahead_no_prior"  # the lookahead config without the recycling prior shipped for the model
+PAIRS_METHOD = "lookahead_pairs"  # the lookahead config with recycled rows per token pair (`recycle_pairs`)
 SAMPLED_METHODS = ("hf_sample", "lookahead_sample")  # `--sample`
 SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.95)
 SAMPLE_SEED = 1234  # lookahead_sample's Gumbel seed
 METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted", "lookahead", "lookahead_draft", "lookahead_off",
-           "lookahead_fp32_head", HEAD_METHOD, NO_PRIOR_METHOD, *ABLATION, *SAMPLED_METHODS)
+           "lookahead_fp32_head", HEAD_METHOD, NO_PRIOR_METHOD, PAIRS_METHOD, *ABLATION, *SAMPLED_METHODS)
 DEFAULT_METHODS = ("hf_greedy", "hf_prompt_lookup", "lookahead", "lookahead_off")
 DRAFT_METHODS = ("hf_assisted", "lookahead_draft")  # need a draft model; added to the defaults when one is given
 # Speedups are reported against each baseline that ran: sampled methods against HF sampling only, greedy ones
@@ -72,6 +73,7 @@ def run_suite(model, tokenizer, prompts: list[Prompt], methods, repeats: int, ma
     `config` is the `LookaheadConfig` of the `lookahead` method (`lookahead_off` always uses
     `LookaheadConfig.off()`, `lookahead_fp32_head` turns the bounded int8 LM head off (`argmax_head.py`: the A/B
     of that head), `lookahead_no_prior` turns the recycling prior off (`recycle_prior.py`: its A/B),
+    `lookahead_pairs` turns recycled rows per token pair on (`recycle_pairs.py`),
     `lookahead_draft` adds `draft_model`, the ablation methods override it with
     `ABLATION`, `lookahead_sample` adds a seed); `hf_assisted` and `lookahead_draft` need `draft_model`.
     `warm_recycle`: keep each `Lookahead`'s recycling table across runs as it is (default: every run of a prompt
@@ -124,6 +126,7 @@ def method_kwargs(methods, config, prompt_lookup_tokens: int, draft_model) -> di
         "lookahead_fp32_head": lambda: {"custom_generate": Lookahead(config.with_overrides(argmax_head=False))},
         HEAD_METHOD: lambda: {"custom_generate": Lookahead(config.with_overrides(draft_head="auto"))},
         NO_PRIOR_METHOD: lambda: {"custom_generate": Lookahead(config.with_overrides(recycle_prior=None))},
+        PAIRS_METHOD: lambda: {"custom_generate": Lookahead(config.with_overrides(recycle_pairs=True))},
         "hf_sample": lambda: dict(SAMPLING),
         "lookahead_sample": lambda: {"custom_generate": Lookahead(config.with_overrides(seed=SAMPLE_SEED)),
                                      **SAMPLING},

@@ -78,8 +78,11 @@ def arithmetic_options(command):
 
 
 def head_options(command):
-    """Add `--draft-head FILE`, `--head-candidates N` and `--recycle-prior` (the knobs `draft_head`,
-    `head_candidates`, `recycle_prior`) to a command."""
+    """Add `--draft-head FILE`, `--head-candidates N`, `--recycle-prior` and `--recycle-pairs/--no-recycle-pairs`
+    (the knobs `draft_head`, `head_candidates`, `recycle_prior`, `recycle_pairs`) to a command."""
+    command = click.option("--recycle-pairs/--no-recycle-pairs", "recycle_pairs", default=None,
+                           help="Keep token recycling's rows per token pair too and draft from them (default: off). "
+                                "Outputs do not change.")(command)
     command = click.option("--recycle-prior", metavar="auto|none|FILE", default=None,
                            help="Seed token recycling's table with what the model chooses after each token in its "
                                 "own text: auto (default) = the prior shipped for the model, none, or a file from "

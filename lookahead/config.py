@@ -24,7 +24,11 @@ class LookaheadConfig:
         over a table of the target's own top-`recycle_k` next tokens per token, kept from every verification
         forward (see `recycle.py`). `recycle_prior`: rows for tokens no verification has filled yet, counted in
         the model's own text (`recycle_prior.py`): "auto" (the default: the prior shipped for the model, none if
-        none is), None or "none" (none) or a prior file's path.
+        none is), None or "none" (none) or a prior file's path. `recycle_pairs` (opt-in): keep rows per token pair
+        too (the target's top-k after a token, apart for each token before it; seeded from the prior's pair rows)
+        and draft from them beside the token's row (`recycle_pairs.py`). Off by default: in the suite (two runs)
+        it raised tokens per step by 2% (chat 5%) at 1.4% less speed overall (chat +2-4%, code, math and
+        translation -4 to -6%: the planner spends ~0.4 more rows a step on them).
       - shared: up to `shared_candidates` continuations from a cross-request drafter, when one is given.
       - draft model: a chain of up to `draft_tokens` tokens per step, when a draft model is given.
       - head (opt-in): a learned predictor of the token after the root from the target's own last hidden state
@@ -79,6 +83,7 @@ class LookaheadConfig:
     recycle_nodes: int = 12
     recycle_k: int = 8
     recycle_prior: str | None = "auto"
+    recycle_pairs: bool = False
     draft_tokens: int = 4
     head_candidates: int = 3
     draft_head: str | None = None
@@ -127,8 +132,8 @@ class LookaheadConfig:
             _check_range("seed", self.seed, 0, 2**63 - 1)
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {self.attention!r}")
-        for name in ("pool_from_text", "adaptive", "rest_drafters", "packed_linear", "lean_layers", "fused_layers",
-                     "compact_weights", "argmax_head"):
+        for name in ("pool_from_text", "recycle_pairs", "adaptive", "rest_drafters", "packed_linear", "lean_layers",
+                     "fused_layers", "compact_weights", "argmax_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -21,17 +21,29 @@ from .tree import DraftTree
 from .verify import SampledDrafts
 
 # DraftTree.source indexes these. Prompt lookup is split by suffix-match length (1, 2, 3+ tokens) and token
-# recycling by the node's top-k rank under its parent (0, 1, 2, 3+), because acceptance depends strongly on
-# both; the learned head's proposals by their place and confidence (`HEAD_CONFIDENT`): a confident first, another
-# first, second, third and later. The planner keeps one running estimate per source and depth.
+# recycling by the node's class under its parent (a confident top-1, another top-1, second, third and later:
+# `recycle.py`), once for nodes from a token's row (RECYCLE), once for nodes from a verified token pair's row
+# (RECYCLE_PAIR, `recycle_pairs.py`) and once from a pair's row seeded by the prior (RECYCLE_SEEDED; replayed on
+# the suite, verified pair rows were right 44-88% of the time, seeded ones 12-40%, token rows 0-28%), because
+# acceptance depends strongly on all of these; the learned head's proposals by their place and
+# confidence (`HEAD_CONFIDENT`): a confident first, another first, second, third and later. The planner keeps one
+# running estimate per source and depth.
 SOURCE_DRAFTER = ("prompt", "prompt", "prompt", "pool", "shared", "draft_model",
-                  "recycle", "recycle", "recycle", "recycle", "head", "head", "head", "head")
-PROMPT, POOL, SHARED, DRAFT_MODEL, RECYCLE, HEAD = 0, 3, 4, 5, 6, 10
+                  "recycle", "recycle", "recycle", "recycle", "head", "head", "head", "head",
+                  "recycle", "recycle", "recycle", "recycle", "recycle", "recycle", "recycle", "recycle")
+PROMPT, POOL, SHARED, DRAFT_MODEL, RECYCLE, HEAD, RECYCLE_PAIR, RECYCLE_SEEDED = 0, 3, 4, 5, 6, 10, 14, 18
 PROMPT_SOURCES, RECYCLE_SOURCES, HEAD_SOURCES = 3, 4, 4
 # The head's first proposal is "confident" at this probability or more. Measured with the default model's head on
 # the suite's first 4 prompts per category (their 96-token greedy outputs): where its top-1 held at least 0.5 (46%
 # of positions) it was the model's next token 51% of the time (chat 56%, code 60%), elsewhere 13%.
 HEAD_CONFIDENT = 0.5
+
+
+def _recycle_sources(ranks: np.ndarray) -> list[int]:
+    """The sources of recycled nodes from their classes (`RecycleDrafter.propose`: C + class for a node from a
+    verified pair's row, 2C + class from a seeded one; C = RECYCLE_SOURCES)."""
+    kind, classes = np.divmod(np.asarray(ranks, dtype=np.int64), RECYCLE_SOURCES)
+    return (np.array([RECYCLE, RECYCLE_PAIR, RECYCLE_SEEDED])[kind] + classes).tolist()
 
 
 class SharedDrafter(Protocol):
@@ -61,7 +73,8 @@ class Drafters:
                               per_key=config.pool_per_key, vocab_size=vocab_size) \
             if config.pool_candidates else None
         self.recycle = RecycleDrafter(recycle_table, vocab_size, config.recycle_k, config.recycle_nodes,
-                                      config.max_draft_len, recycle_prior) if config.recycle_nodes else None
+                                      config.max_draft_len, recycle_prior, config.recycle_pairs) \
+            if config.recycle_nodes else None
         self.head = head if config.head_candidates else None
         self._hidden: torch.Tensor | None = None  # the target's hidden state of the row that chose the root
         self._text_len = 0
@@ -81,11 +94,13 @@ class Drafters:
         if self.pool is not None and len(grams):
             self.pool.add(grams)
 
-    def recycle_rows(self, tokens: np.ndarray, logits: torch.Tensor, order: np.ndarray | None = None) -> None:
+    def recycle_rows(self, tokens: np.ndarray, logits: torch.Tensor, order: np.ndarray | None = None,
+                     prev: np.ndarray | None = None) -> None:
         """Feed token recycling with verified rows: `tokens` [n] int64 the token each row carries, `logits`
-        [n, V] their raw logits, `order` the rows to store in order (None = all; the accepted path last)."""
+        [n, V] their raw logits, `prev` [n] int64 the token before each row's (None: unknown), `order` the rows
+        to store in order (None = all; the accepted path last)."""
         if self.recycle is not None:
-            self.recycle.observe(tokens, logits, order)
+            self.recycle.observe(tokens, logits, order, prev)
 
     def observe_hidden(self, hidden: torch.Tensor | None) -> None:
         """Remember the target's final normed hidden state [size] of the row that chose the current root (None:
@@ -124,9 +139,11 @@ class Drafters:
                 self._head_paths(root, max_len, estimates, paths, sources)
             if self.recycle is not None:
                 keys, inv_temp = (NO_NOISE, 1.0) if noise is None else (noise.keys, noise.inv_temp)
-                found, ranks = self.recycle.propose(root, self._recycle_value(estimates), max_len, keys, inv_temp)
+                before = int(self._text[-2]) if len(self._text) >= 2 else -1
+                found, ranks = self.recycle.propose(root, self._recycle_value(estimates), max_len, keys, inv_temp,
+                                                    before, *self._pair_values(estimates))
                 paths += found
-                sources += (RECYCLE + np.minimum(ranks, RECYCLE_SOURCES - 1)).tolist()  # ranks: the classes
+                sources += _recycle_sources(ranks)
         return DraftTree.from_paths(root, paths, sources, budget=sum(len(p) for p in paths))
 
     def _head_paths(self, root: int, max_len: int, estimates: np.ndarray | None, paths: list, sources: list) -> None:
@@ -138,23 +155,29 @@ class Drafters:
         proposal = self.head.propose(self._hidden, root, self.config.head_candidates)
         value = None if self.recycle is None or max_len < 2 else self._recycle_value(estimates)[1:]
         value = value if value is not None and len(value) else None
+        pair_values = None if value is None else [v[1:] for v in self._pair_values(estimates)]
         for place, token in enumerate(proposal.tokens.tolist()):
             confident = place == 0 and proposal.probs[0] >= HEAD_CONFIDENT
             paths.append(np.array([token], dtype=np.int64))
             sources.append(HEAD + (0 if confident else min(place + 1, HEAD_SOURCES - 1)))
             if value is not None and place == 0:
-                found, ranks = self.recycle.propose(token, value, max_len - 1)
+                found, ranks = self.recycle.propose(token, value, max_len - 1, NO_NOISE, 1.0, root, *pair_values)
                 paths += [np.concatenate([[token], p]) for p in found]
-                sources += (RECYCLE + np.minimum(ranks, RECYCLE_SOURCES - 1)).tolist()
+                sources += _recycle_sources(ranks)
 
-    def _recycle_value(self, estimates: np.ndarray | None) -> np.ndarray:
+    def _recycle_value(self, estimates: np.ndarray | None, first: int = RECYCLE) -> np.ndarray:
         """[D, RECYCLE_SOURCES] conditional acceptance of a recycled node by depth and class (`recycle`: 0 a
         confident top-1 prediction, 1 another top-1, then by place), from the planner's per-source estimates
-        [n_sources, D] (None: 0.5 / (class + 1) at every depth)."""
+        [n_sources, D] of the sources from `first` on (RECYCLE: nodes from a token's row; RECYCLE_PAIR: from a
+        pair's row) (None: 0.5 / (class + 1) at every depth)."""
         classes = np.arange(RECYCLE_SOURCES)
         if estimates is None:
             return np.tile(0.5 / (1.0 + classes), (self.config.max_draft_len, 1))
-        return estimates[RECYCLE + classes].T
+        return estimates[first + classes].T
+
+    def _pair_values(self, estimates: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """`_recycle_value` of nodes from verified and from seeded pair rows."""
+        return self._recycle_value(estimates, RECYCLE_PAIR), self._recycle_value(estimates, RECYCLE_SEEDED)
 
     def sampled_drafts(self, tree: DraftTree) -> SampledDrafts:
         """The draft model's sampled chain as it survives in `tree` (e.g. after pruning): {parent node: (chain

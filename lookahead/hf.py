@@ -85,7 +85,7 @@ class Lookahead:
                             f"got {type(draft_model).__name__}")
         self.shared_drafter, self.draft_model = shared_drafter, draft_model
         if recycle_table is None and self.config.recycle_nodes:
-            recycle_table = RecycleTable(self.config.recycle_k)
+            recycle_table = RecycleTable.for_config(self.config)
         self.recycle_table = recycle_table
         self.last_stats: DecodeStats | None = None
 

@@ -34,6 +34,7 @@ import numba
 import numpy as np
 
 from .gumbel import gumbel_of
+from .recycle_pairs import PAIR_SLOTS, empty_pairs, find_pair, pair_keys, place_pair, seed_pairs
 
 if TYPE_CHECKING:  # recycle_prior imports what the head files need; the table only reads a prior's arrays
     from .recycle_prior import RecyclePrior
@@ -80,126 +81,170 @@ def top_k(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @numba.njit(cache=True)
-def _update(table, scores, tokens, topk, values):
+def _update(table, scores, pkeys, pnext, pscores, pseeded, tokens, keys, topk, values):
     """table[tokens[i]] = topk[i] and scores[tokens[i]] = values[i] for i in order (a later row wins for a
-    repeated token); rows are cut or padded (-1, score 0) to the table's k, tokens outside the table are skipped
-    and predictions outside it stored as -1.
+    repeated token), and the same row for the pair `keys[i]` (`recycle_pairs`; -1: none) in the pair table; rows
+    are cut or padded (-1, score 0) to the table's k, tokens outside the table are skipped and predictions
+    outside it stored as -1.
 
-    table: [vocab, k] int32; scores: [vocab, k] float32; tokens: [n] int64; topk: [n, m] int64;
-    values: [n, m] float32."""
+    table: [vocab, k] int32; scores: [vocab, k] float32; pkeys / pnext / pscores: the pair table ([S] int64,
+    [S, k] int32, [S, k] float32, and pseeded [S] bool, cleared for every row written here; S = 0: none); tokens,
+    keys: [n] int64; topk: [n, m] int64; values: [n, m] float32."""
     vocab, k = table.shape
     width = min(k, topk.shape[1])
     for i in range(tokens.shape[0]):
         t = tokens[i]
         if t < 0 or t >= vocab:
             continue
+        slot = place_pair(pkeys, keys[i], True)
+        if slot >= 0:
+            pseeded[slot] = False
         for r in range(k):
             token = topk[i, r] if r < width else -1
             inside = 0 <= token < vocab
             table[t, r] = token if inside else -1
             scores[t, r] = values[i, r] if r < width else 0.0
+            if slot >= 0:
+                pnext[slot, r], pscores[slot, r] = table[t, r], scores[t, r]
 
 
 @numba.njit(cache=True)
-def _child_places(table, scores, noise, inv_temp, token, depth, out, keys):
-    """out[r] = the place of table[token, r] among `token`'s children at depth `depth`: r itself, or, when
-    `noise` [Dn] uint64 has a key for that depth (key depth - 1), its place by scores * inv_temp + that index's
-    Gumbel noise (`gumbel.gumbel_of`) — the order of the seeded rule's Gumbel-max draw at that index, as far as
-    the recycled top-k logits tell. keys: [k] float64 scratch."""
-    k = table.shape[1]
+def _child_places(row_tokens, row_scores, noise, inv_temp, depth, out, keys):
+    """out[r] = the place of row_tokens[r] among a node's children (its table row, `_row`) at depth `depth`: r
+    itself, or, when `noise` [Dn] uint64 has a key for that depth (key depth - 1), its place by row_scores *
+    inv_temp + that index's Gumbel noise (`gumbel.gumbel_of`) — the order of the seeded rule's Gumbel-max draw at
+    that index, as far as the recycled top-k logits tell. keys: [k] float64 scratch."""
+    k = row_tokens.shape[0]
     row = depth - 1
     for r in range(k):
         out[r] = r
     if row >= noise.shape[0]:
         return
     for r in range(k):
-        c = table[token, r]
+        c = row_tokens[r]
         keys[r] = -np.inf
         if c >= 0:
-            keys[r] = scores[token, r] * inv_temp + gumbel_of(noise[row], c)
+            keys[r] = row_scores[r] * inv_temp + gumbel_of(noise[row], c)
     for r in range(k):
-        if table[token, r] < 0:
+        if row_tokens[r] < 0:
             continue
         place = 0
         for r2 in range(k):
-            if r2 != r and table[token, r2] >= 0 and (keys[r2] > keys[r] or (keys[r2] == keys[r] and r2 < r)):
+            if r2 != r and row_tokens[r2] >= 0 and (keys[r2] > keys[r] or (keys[r2] == keys[r] and r2 < r)):
                 place += 1
         out[r] = place
 
 
 @numba.njit(cache=True)
-def _child_classes(table, scores, noise, inv_temp, token, depth, classes, out, keys):
-    """out[r] = the class of table[token, r] among `token`'s children at depth `depth` (the module docstring):
-    0 for the first-placed child (`_child_places`) when its share of the row's recycled probability (softmax of
-    the stored logits over the stored children) is at least CONFIDENT, 1 for the first-placed child otherwise,
-    then 2, 3, … by place, capped at `classes` - 1."""
-    _child_places(table, scores, noise, inv_temp, token, depth, out, keys)
-    k = table.shape[1]
+def _child_classes(row_tokens, row_scores, noise, inv_temp, depth, classes, out, keys):
+    """out[r] = the class of row_tokens[r] among a node's children at depth `depth` (the module docstring): 0 for
+    the first-placed child (`_child_places`) when its share of the row's recycled probability (softmax of the
+    stored logits over the stored children) is at least CONFIDENT, 1 for the first-placed child otherwise, then
+    2, 3, … by place, capped at `classes` - 1."""
+    _child_places(row_tokens, row_scores, noise, inv_temp, depth, out, keys)
+    k = row_tokens.shape[0]
     top, total = -np.inf, 0.0
     for r in range(k):
-        if table[token, r] >= 0:
-            top = max(top, np.float64(scores[token, r]))
+        if row_tokens[r] >= 0:
+            top = max(top, np.float64(row_scores[r]))
     for r in range(k):
-        if table[token, r] >= 0:
-            total += np.exp(np.float64(scores[token, r]) - top)
+        if row_tokens[r] >= 0:
+            total += np.exp(np.float64(row_scores[r]) - top)
     for r in range(k):
-        if table[token, r] < 0:
+        if row_tokens[r] < 0:
             continue
         if out[r] == 0:
-            out[r] = 0 if np.exp(np.float64(scores[token, r]) - top) >= CONFIDENT * total else 1
+            out[r] = 0 if np.exp(np.float64(row_scores[r]) - top) >= CONFIDENT * total else 1
         else:
             out[r] = out[r] + 1
         out[r] = min(out[r], classes - 1)
 
 
 @numba.njit(cache=True)
-def _grow(table, scores, noise, inv_temp, root, value, max_nodes, max_depth, paths, depth, rank, parent, score,
-          f_parent, f_column, f_rank, f_score, places, place_keys):
-    """Best-first growth of a draft tree from `root` over `table`; returns the node count n <= max_nodes.
+def _children(table, scores, pkeys, pnext, pscores, pseeded, noise, inv_temp, prev, token, depth, classes,
+              out_tokens, out_classes, row_tokens, row_scores, places, place_keys):
+    """The children of a node carrying `token` after the token `prev` at depth `depth`, into out_tokens /
+    out_classes ([2k]); returns their count. First the pair row of (prev, token) when the pair table holds one,
+    each child of class C + c (`_child_classes`, C = `classes`; 2C + c for a row seeded from a prior), then the
+    token's own row, each child not already listed of class c: both rows' predictions are proposed, each valued
+    by its own class's acceptance."""
+    n = 0
+    vocab, k = table.shape
+    slot = find_pair(pkeys, prev * vocab + token) if 0 <= prev < vocab else -1
+    for paired in (True, False):
+        if paired and slot < 0:
+            continue
+        for r in range(k):
+            row_tokens[r] = pnext[slot, r] if paired else table[token, r]
+            row_scores[r] = pscores[slot, r] if paired else scores[token, r]
+        _child_classes(row_tokens, row_scores, noise, inv_temp, depth, classes, places, place_keys)
+        listed = n
+        for r in range(k):
+            child = row_tokens[r]
+            if child < 0:
+                continue
+            seen = False
+            for j in range(listed):
+                seen = seen or out_tokens[j] == child
+            if not seen:
+                kind = (2 if pseeded[slot] else 1) if paired else 0
+                out_tokens[n], out_classes[n] = child, places[r] + kind * classes
+                n += 1
+    return n
 
-    value: [D, C] float64, conditional acceptance of a node at depth d (row d - 1, last row for deeper ones) and
+
+@numba.njit(cache=True)
+def _grow(table, scores, pkeys, pnext, pscores, pseeded, noise, inv_temp, prev, root, value, max_nodes, max_depth,
+          paths,
+          depth, rank, parent, score, f_parent, f_token, f_rank, f_score, out_tokens, out_classes, row_tokens,
+          row_scores, places, place_keys):
+    """Best-first growth of a draft tree from `root` (after the token `prev`, -1: unknown) over `table` and the
+    pair table (`_children`: a node's children are those of its pair row, with its parent's token, and of its
+    token's row); returns the node count n <= max_nodes.
+
+    value: [D, 3C] float64, conditional acceptance of a node at depth d (row d - 1, last row for deeper ones) of
     class c < C (`_child_classes`: from its place — its top-k column, or its place under the seeded draw's noise
     when `noise` ([Dn] uint64 keys) has a key for its depth — and its share of the recycled probability; scores
-    [vocab, k] float32 the recycled logits); max_depth <= paths.shape[1]. Writes, per node in selection order (a
-    parent before its children): paths[i, :depth[i]] its tokens from the root's child down to it, depth[i],
-    rank[i] its class, parent[i] (-1 = the root), score[i] (product of the values along its path). f_parent /
-    f_column / f_rank / f_score: frontier scratch of at least max_nodes * k + k entries; places, place_keys: [k]
-    scratch.
+    [vocab, k] float32 the recycled logits) in column c when it comes from a token's row, C + c from a verified
+    pair's row, 2C + c from a seeded pair's row; max_depth <= paths.shape[1]. Writes, per node in selection order
+    (a parent before its children): paths[i, :depth[i]] its tokens from the root's child down to it, depth[i], rank[i] its column of `value`,
+    parent[i] (-1 = the root), score[i] (product of the values along its path). f_parent / f_token / f_rank /
+    f_score: frontier scratch of at least (max_nodes + 1) * 2k entries; out_tokens, out_classes: [2k] scratch;
+    row_tokens, row_scores, places, place_keys: [k] scratch.
     """
-    k = table.shape[1]
     n_front = 0
-    classes = value.shape[1]
-    _child_classes(table, scores, noise, inv_temp, root, 1, classes, places, place_keys)
-    for r in range(k):  # the root's children
-        if table[root, r] >= 0:
-            f_parent[n_front], f_column[n_front], f_rank[n_front] = -1, r, places[r]
-            f_score[n_front] = value[0, places[r]]
-            n_front += 1
+    classes = value.shape[1] // 3
+    m = _children(table, scores, pkeys, pnext, pscores, pseeded, noise, inv_temp, prev, root, 1, classes, out_tokens,
+                  out_classes, row_tokens, row_scores, places, place_keys)
+    for j in range(m):  # the root's children
+        f_parent[n_front], f_token[n_front], f_rank[n_front] = -1, out_tokens[j], out_classes[j]
+        f_score[n_front] = value[0, out_classes[j]]
+        n_front += 1
     n = 0
     while n < max_nodes and n_front > 0:
         best = 0
         for j in range(1, n_front):
             if f_score[j] > f_score[best]:
                 best = j
-        p, c, r, s = f_parent[best], f_column[best], f_rank[best], f_score[best]
+        p, token, r, s = f_parent[best], f_token[best], f_rank[best], f_score[best]
         n_front -= 1  # remove `best`, keeping insertion order: ties go to the earlier (shallower, better-ranked)
         for j in range(best, n_front):
-            f_parent[j], f_column[j] = f_parent[j + 1], f_column[j + 1]
+            f_parent[j], f_token[j] = f_parent[j + 1], f_token[j + 1]
             f_rank[j], f_score[j] = f_rank[j + 1], f_score[j + 1]
         d = 1 if p < 0 else depth[p] + 1
         for j in range(d - 1):
             paths[n, j] = paths[p, j]
-        token = table[root, c] if p < 0 else table[paths[p, d - 2], c]
         paths[n, d - 1] = token
         depth[n], rank[n], parent[n], score[n] = d, r, p, s
         if d < max_depth:
             row = min(d, value.shape[0] - 1)
-            _child_classes(table, scores, noise, inv_temp, token, d + 1, classes, places, place_keys)
-            for r2 in range(k):
-                if table[token, r2] >= 0:
-                    f_parent[n_front], f_column[n_front], f_rank[n_front] = n, r2, places[r2]
-                    f_score[n_front] = s * value[row, places[r2]]
-                    n_front += 1
+            before = root if d == 1 else paths[n, d - 2]
+            m = _children(table, scores, pkeys, pnext, pscores, pseeded, noise, inv_temp, before, token, d + 1,
+                          classes, out_tokens, out_classes, row_tokens, row_scores, places, place_keys)
+            for j in range(m):
+                f_parent[n_front], f_token[n_front], f_rank[n_front] = n, out_tokens[j], out_classes[j]
+                f_score[n_front] = s * value[row, out_classes[j]]
+                n_front += 1
         n += 1
     return n
 
@@ -208,23 +253,33 @@ class RecycleTable:
     """The adjacency table of recycled top-k predictions (see the module docstring), shareable and thread-safe.
 
     Beside each stored next token it keeps that token's raw logit in the row that predicted it (`scores`), so a
-    seeded draft can order a node's children as the seeded draw would. The table is allocated for a vocabulary
-    on first use (`ensure`); a call with another vocabulary size or k starts a fresh table. Raises `ValueError`
-    naming `k` unless 1 <= k <= 64.
+    seeded draft can order a node's children as the seeded draw would. Beside the rows per token it keeps rows
+    per token pair in a table of `pair_slots` slots (`recycle_pairs.py`; 0: none, else a power of two), which a
+    draft consults first. The table is allocated for a vocabulary on first use (`ensure`); a call with another
+    vocabulary size or k starts a fresh table. Raises `ValueError` naming `k` unless 1 <= k <= 64, or for pair
+    slots that are not 0 or a power of two.
     """
 
-    def __init__(self, k: int = 8):
+    def __init__(self, k: int = 8, pair_slots: int = 0):
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
             raise ValueError(f"k must be an int in [1, 64], got {k!r}")
-        self.k = k
+        self.k, self.pair_slots = k, pair_slots
         self._lock = threading.Lock()
         self.table = np.full((0, k), -1, dtype=np.int32)  # [vocab, k]
         self.scores = np.zeros((0, k), dtype=np.float32)  # [vocab, k] raw logits of the stored tokens
+        self.pairs = empty_pairs(pair_slots, k)  # (keys [S], next, scores [S, k], seeded [S]): rows per token pair
         # Compile (or load from numba's disk cache) both kernels once, on a one-token table.
         warm = np.full((1, 1), -1, dtype=np.int32)
-        _update(warm, np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros((1, 1), np.int64),
-                np.zeros((1, 1), np.float32))
-        _Grower(1, 1, 1).grow(warm, np.zeros((1, 1), np.float32), 0, np.ones((1, 1)), NO_NOISE, 1.0)
+        _update(warm, np.zeros((1, 1), np.float32), *empty_pairs(1, 1), np.zeros(1, np.int64),
+                np.full(1, -1, np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float32))
+        _Grower(1, 1, 1).grow(warm, np.zeros((1, 1), np.float32), empty_pairs(1, 1), -1, 0, np.ones((1, 3)),
+                              NO_NOISE, 1.0)
+
+    @classmethod
+    def for_config(cls, config) -> "RecycleTable":
+        """An empty table as a `LookaheadConfig` asks for: `recycle_k` wide, with pair rows when
+        `recycle_pairs`."""
+        return cls(config.recycle_k, PAIR_SLOTS if config.recycle_pairs else 0)
 
     def ensure(self, vocab_size: int, k: int) -> None:
         """Make the table `[vocab_size, k]`, forgetting what it held if its shape changes."""
@@ -233,28 +288,31 @@ class RecycleTable:
                 self.k = k
                 self.table = np.full((vocab_size, k), -1, dtype=np.int32)
                 self.scores = np.zeros((vocab_size, k), dtype=np.float32)
+                self.pairs = empty_pairs(self.pair_slots, k)
 
     def clear(self) -> None:
         """Forget every recycled prediction (the shape stays)."""
         with self._lock:
             self.table.fill(-1)
             self.scores.fill(0.0)
+            self.pairs = empty_pairs(self.pair_slots, self.k)
 
-    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
-        """A copy of the table and its scores ([vocab, k] int32, [vocab, k] float32), for `restore`."""
+    def snapshot(self) -> tuple:
+        """A copy of the table, its scores and its pair rows, for `restore`."""
         with self._lock:
-            return self.table.copy(), self.scores.copy()
+            return self.table.copy(), self.scores.copy(), tuple(a.copy() for a in self.pairs)
 
-    def restore(self, state: tuple[np.ndarray, np.ndarray]) -> None:
+    def restore(self, state: tuple) -> None:
         """Put back a `snapshot` (its shape becomes the table's)."""
         with self._lock:
             self.table, self.scores = state[0].copy(), state[1].copy()
-            self.k = self.table.shape[1]
+            self.pairs = tuple(a.copy() for a in state[2])
+            self.k, self.pair_slots = self.table.shape[1], len(self.pairs[0])
 
     def seed(self, prior: "RecyclePrior") -> None:
         """Fill the rows of `prior`'s tokens (a `recycle_prior.RecyclePrior`) that hold no prediction yet with its
-        rows, cut or padded (-1) to the table's k; tokens and predictions outside the table's vocabulary are left
-        out. Rows already filled keep what verification stored."""
+        rows, cut or padded (-1) to the table's k, and its pair rows into empty pair slots; tokens and predictions
+        outside the table's vocabulary are left out. Rows already filled keep what verification stored."""
         with self._lock:
             vocab, k = self.table.shape
             inside = prior.tokens < vocab
@@ -265,6 +323,9 @@ class RecycleTable:
             values = np.zeros(rows.shape, dtype=np.float32)
             values[:, :nxt.shape[1]] = scores[empty]
             self.table[tokens[empty]], self.scores[tokens[empty]] = rows, values
+            keys = pair_keys(prior.pair_prev, prior.pair_tokens, vocab)
+            pair_next = np.where(prior.pair_next < vocab, prior.pair_next, -1).astype(np.int32)
+            seed_pairs(*self.pairs, keys, pair_next, prior.pair_scores)
 
     @property
     def known_tokens(self) -> int:
@@ -272,24 +333,36 @@ class RecycleTable:
         with self._lock:
             return int((self.table[:, 0] >= 0).sum())
 
-    def update(self, tokens: np.ndarray, topk: np.ndarray, values: np.ndarray | None = None) -> None:
+    @property
+    def known_pairs(self) -> int:
+        """How many token pairs have a recycled prediction."""
+        with self._lock:
+            return int((self.pairs[0] >= 0).sum())
+
+    def update(self, tokens: np.ndarray, topk: np.ndarray, values: np.ndarray | None = None,
+               prev: np.ndarray | None = None) -> None:
         """Store `topk` ([n, m] int64, best first) as the predicted next tokens of `tokens` ([n] int64), in order
-        (a later row wins for a repeated token), with their raw logits `values` ([n, m] float32; None: zeros).
+        (a later row wins for a repeated token), with their raw logits `values` ([n, m] float32; None: zeros), and
+        as the rows of the pairs (`prev`[i], `tokens`[i]) ([n] int64, the token before each; None or -1: none).
         Rows are cut or padded (-1) to the table's k; tokens and predictions outside the table's vocabulary are
         dropped (-1), so every stored id indexes the table."""
         values = np.zeros(topk.shape, np.float32) if values is None else values
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         with self._lock:
-            _update(self.table, self.scores, np.ascontiguousarray(tokens, dtype=np.int64),
-                    np.ascontiguousarray(topk, dtype=np.int64), np.ascontiguousarray(values, dtype=np.float32))
+            keys = np.full(len(tokens), -1, np.int64) if prev is None else \
+                pair_keys(prev, tokens, self.table.shape[0])
+            _update(self.table, self.scores, *self.pairs, tokens, keys, np.ascontiguousarray(topk, dtype=np.int64),
+                    np.ascontiguousarray(values, dtype=np.float32))
 
     def grow(self, grower: "_Grower", root: int, value: np.ndarray, noise: np.ndarray,
-             inv_temp: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The draft grown from `root` by `grower` (see `_grow`): (paths [n, max_depth] int64, depth [n] int64,
-        rank [n] int64), nodes in selection order (parents first); empty if the root was never verified."""
+             inv_temp: float, prev: int = -1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The draft grown from `root` (after the token `prev`; -1: unknown) by `grower` (see `_grow`): (paths
+        [n, max_depth] int64, depth [n] int64, rank [n] int64), nodes in selection order (parents first); empty if
+        the root was never verified."""
         if not 0 <= root < self.table.shape[0]:
             return grower.empty()
         with self._lock:
-            return grower.grow(self.table, self.scores, root, value, noise, inv_temp)
+            return grower.grow(self.table, self.scores, self.pairs, prev, root, value, noise, inv_temp)
 
 
 NO_NOISE = np.zeros(0, dtype=np.uint64)  # `_grow` without noise keys: children ranked by top-k column
@@ -305,11 +378,15 @@ class _Grower:
         self.rank = np.zeros(max_nodes, dtype=np.int64)  # [N]
         self.parent = np.zeros(max_nodes, dtype=np.int64)  # [N]
         self.score = np.zeros(max_nodes, dtype=np.float64)  # [N]
-        front = max_nodes * k + k
+        front = (max_nodes + 1) * 2 * k
         self.f_parent = np.zeros(front, dtype=np.int64)
-        self.f_column = np.zeros(front, dtype=np.int64)
+        self.f_token = np.zeros(front, dtype=np.int64)
         self.f_rank = np.zeros(front, dtype=np.int64)
         self.f_score = np.zeros(front, dtype=np.float64)
+        self.out_tokens = np.zeros(2 * k, dtype=np.int64)
+        self.out_classes = np.zeros(2 * k, dtype=np.int64)
+        self.row_tokens = np.zeros(k, dtype=np.int32)
+        self.row_scores = np.zeros(k, dtype=np.float32)
         self.places = np.zeros(k, dtype=np.int64)
         self.place_keys = np.zeros(k, dtype=np.float64)
 
@@ -317,13 +394,17 @@ class _Grower:
         """A draft with no nodes."""
         return self.paths[:0], self.depth[:0], self.rank[:0]
 
-    def grow(self, table: np.ndarray, scores: np.ndarray, root: int, value: np.ndarray, noise: np.ndarray,
-             inv_temp: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Run `_grow` on `table` [vocab, k] and its `scores`; value: [D, k] float64; noise: [Dn] uint64 keys
+    def grow(self, table: np.ndarray, scores: np.ndarray, pairs: tuple, prev: int, root: int, value: np.ndarray,
+             noise: np.ndarray, inv_temp: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Run `_grow` on `table` [vocab, k], its `scores` and its pair rows `pairs` (keys, next, scores, seeded) from
+        `root` after `prev`; value: [D, 3C] float64 (the classes of token rows, verified pair rows, seeded pair
+        rows); noise: [Dn] uint64 keys
         (`NO_NOISE`: rank by column). Returns copies (paths, depth, rank)."""
-        n = _grow(table, scores, noise, float(inv_temp), root, np.ascontiguousarray(value, dtype=np.float64),
-                  self.max_nodes, self.max_depth, self.paths, self.depth, self.rank, self.parent, self.score,
-                  self.f_parent, self.f_column, self.f_rank, self.f_score, self.places, self.place_keys)
+        n = _grow(table, scores, *pairs, noise, float(inv_temp), int(prev), root,
+                  np.ascontiguousarray(value, dtype=np.float64), self.max_nodes, self.max_depth, self.paths,
+                  self.depth, self.rank, self.parent, self.score, self.f_parent, self.f_token, self.f_rank,
+                  self.f_score, self.out_tokens, self.out_classes, self.row_tokens, self.row_scores, self.places,
+                  self.place_keys)
         return self.paths[:n].copy(), self.depth[:n].copy(), self.rank[:n].copy()
 
 
@@ -331,34 +412,44 @@ class RecycleDrafter:
     """One sequence's view of a (possibly shared) `RecycleTable`: feeds it from verified rows and grows drafts.
 
     table: the shared table (None: a private one); vocab_size, k: its shape; max_nodes: nodes per draft;
-    max_depth: longest path; prior: a `recycle_prior.RecyclePrior` seeding the table's empty rows (None: none).
+    max_depth: longest path; prior: a `recycle_prior.RecyclePrior` seeding the table's empty rows (None: none);
+    pairs: keep and consult rows per token pair (`recycle_pairs.py`) besides the rows per token.
     """
 
     def __init__(self, table: RecycleTable | None, vocab_size: int, k: int, max_nodes: int, max_depth: int,
-                 prior: "RecyclePrior | None" = None):
-        self.table = table if table is not None else RecycleTable(k)
+                 prior: "RecyclePrior | None" = None, pairs: bool = True):
+        self.table = table if table is not None else RecycleTable(k, PAIR_SLOTS if pairs else 0)
         self.table.ensure(vocab_size, k)
         if prior is not None:
             self.table.seed(prior)
-        self.k = k
+        self.k, self.pairs = k, pairs
         self._grower = _Grower(max_nodes, max_depth, k)
 
-    def observe(self, tokens: np.ndarray, logits, order: np.ndarray | None = None) -> None:
+    def observe(self, tokens: np.ndarray, logits, order: np.ndarray | None = None,
+                prev: np.ndarray | None = None) -> None:
         """Recycle the rows' predictions: `tokens` [n] int64 the token each row carries, `logits` [n, V] (torch)
-        their logits; `order` [m] the rows to store, in order (None = all; put the accepted path last)."""
+        their logits, `prev` [n] int64 the token before each row's token (None or -1: unknown); `order` [m] the
+        rows to store, in order (None = all; put the accepted path last)."""
         topk, values = top_k(logits, min(self.k, logits.shape[-1]))  # [n, k] each
+        prev = prev if self.pairs else None
         if order is not None:
             tokens, topk, values = tokens[order], topk[order], values[order]
-        self.table.update(np.asarray(tokens, dtype=np.int64), topk, values)
+            prev = None if prev is None else np.asarray(prev)[order]
+        self.table.update(np.asarray(tokens, dtype=np.int64), topk, values, prev)
 
     def propose(self, root: int, value: np.ndarray, max_len: int, noise: np.ndarray = NO_NOISE,
-                inv_temp: float = 1.0) -> tuple[list[np.ndarray], np.ndarray]:
-        """Draft paths from `root`: one path per grown node (root's child down to the node, parents first) and
-        each node's class [n] int64 (see the module docstring). `value` [D, C]: conditional acceptance by depth
-        and class; paths are cut to `max_len` tokens (deeper nodes are dropped). `noise` [Dn] uint64: the seeded
-        rule's noise keys of the indices of depths 1..Dn (`draft_noise.DraftNoise`), which then places a node's
-        children by recycled logit * `inv_temp` + noise (the order the seeded draw would pick them in) instead of by
-        top-k column."""
-        paths, depth, rank = self.table.grow(self._grower, int(root), value, noise, inv_temp)
+                inv_temp: float = 1.0, prev: int = -1, pair_value: np.ndarray | None = None,
+                seeded_value: np.ndarray | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+        """Draft paths from `root` (after the token `prev`; -1: unknown): one path per grown node (root's child
+        down to the node, parents first) and each node's class [n] int64 (see the module docstring; C + its class
+        for a node from a verified pair's row, 2C + its class from a seeded one). `value` [D, C]: conditional
+        acceptance by depth and class of a node from a token's row, `pair_value` and `seeded_value` [D, C] of one
+        from a verified or seeded pair's row (None: `value`); paths are cut to `max_len` tokens (deeper nodes are
+        dropped). `noise` [Dn] uint64: the seeded rule's noise keys of the indices of depths 1..Dn
+        (`draft_noise.DraftNoise`), which then places a node's children by recycled logit * `inv_temp` + noise (the
+        order the seeded draw would pick them in) instead of by top-k column."""
+        value = np.hstack([value] + [value if v is None else v for v in (pair_value, seeded_value)])
+        grown = self.table.grow(self._grower, int(root), value, noise, inv_temp, int(prev) if self.pairs else -1)
+        paths, depth, rank = grown
         keep = depth <= max_len
         return [p[:d] for p, d in zip(paths[keep], depth[keep].tolist())], rank[keep]

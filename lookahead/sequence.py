@@ -103,7 +103,8 @@ class Sequence:
 
     def first_token(self, logits: torch.Tensor) -> int:
         """The token chosen by the rule from the prefill's last logits [V]."""
-        self.drafters.recycle_rows(self.ids[self.length - 1: self.length], logits.view(1, -1))
+        self.drafters.recycle_rows(self.ids[self.length - 1: self.length], logits.view(1, -1),
+                                   prev=self.ids[self.length - 2: self.length - 1] if self.length >= 2 else None)
         if isinstance(self.rule, SeededRule) and self.drafters.recycle is not None:
             self._noise = SeededDraftNoise(self.rule.seed, self.config.max_draft_len,
                                            sampling_temperature(self.request.logits_processor))
@@ -125,7 +126,9 @@ class Sequence:
         path = np.asarray(verdict.path, dtype=np.int64)
         others = np.ones(tree.size, dtype=bool)
         others[path] = False
-        self.drafters.recycle_rows(tree.tokens, logits, np.concatenate([np.flatnonzero(others), path]))
+        before = np.where(tree.parents >= 0, tree.tokens[np.maximum(tree.parents, 0)],
+                          self.ids[self.length - 2] if self.length >= 2 else -1)
+        self.drafters.recycle_rows(tree.tokens, logits, np.concatenate([np.flatnonzero(others), path]), before)
         return verdict
 
     def commit(self, tokens: list[int], limit: int, cut_at_stop: bool) -> list[int]:

@@ -202,7 +202,7 @@ class Engine:
         self.model, self.tokenizer, self.config, self.cache = model, tokenizer, config, cache
         self.cache_requests = cache_requests
         # Token recycling learns the model's own next-token predictions: kept across requests, like the cache.
-        self.recycle_table = RecycleTable(config.recycle_k) if config.recycle_nodes else None
+        self.recycle_table = RecycleTable.for_config(config) if config.recycle_nodes else None
         self.max_queue = max_queue
         self.fim = fim_tokens(tokenizer)
         eos = model.generation_config.eos_token_id

@@ -241,9 +241,11 @@ def test_batch_benchmark_argument_errors(capsys):
 
 
 def test_each_lookahead_method_runs_its_own_config():
-    kwargs = bench_generate.method_kwargs(["lookahead", "lookahead_no_prior", "lookahead_head", "lookahead_off"],
+    kwargs = bench_generate.method_kwargs(["lookahead", "lookahead_no_prior", "lookahead_pairs", "lookahead_head",
+                                           "lookahead_off"],
                                           LookaheadConfig(tree_budget=8), 10, None)
     configs = {method: extra["custom_generate"].config for method, extra in kwargs.items()}
     assert configs["lookahead"].recycle_prior == "auto" and configs["lookahead_no_prior"].recycle_prior is None
+    assert not configs["lookahead"].recycle_pairs and configs["lookahead_pairs"].recycle_pairs
     assert configs["lookahead_no_prior"].tree_budget == 8 and configs["lookahead_head"].draft_head == "auto"
     assert configs["lookahead_off"].tree_budget == 0

@@ -312,8 +312,9 @@ def test_build_prior_writes_a_prior_that_generate_uses(tiny_folder, tmp_path):
     prompt = "def fibonacci(n):"
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     plain = model.generate(ids, max_new_tokens=16, do_sample=False)
-    for spec in (str(out), "none", "auto"):  # "auto" finds no prior for a random model and drafts without one
-        result = _run(prompt, "--model", str(folder), "--max-new-tokens", "16", "--recycle-prior", spec)
+    for spec, pairs in ((str(out), "--recycle-pairs"), (str(out), "--no-recycle-pairs"), ("none", "--recycle-pairs"),
+                        ("auto", "--recycle-pairs")):  # "auto" finds no prior for a random model: drafts without one
+        result = _run(prompt, "--model", str(folder), "--max-new-tokens", "16", "--recycle-prior", spec, pairs)
         assert result.exit_code == 0, result.output
         assert result.stdout.strip() == tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True).strip()
     other = tiny_model("llama", dtype=torch.float32, seed=9, vocab=64)
@@ -324,7 +325,7 @@ def test_build_prior_writes_a_prior_that_generate_uses(tiny_folder, tmp_path):
         assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output
     empty = CliRunner().invoke(main, ["build-prior", str(tmp_path / "p.safetensors"), "--model", str(folder),
                                       "--data", str(data), "--min-count", "100000"])
-    assert empty.exit_code == 0 and "0 rows" in empty.output
+    assert empty.exit_code == 0 and "0 token rows, 0 pair rows" in empty.output
 
 
 def test_train_head_refuses_a_missing_output_folder(tmp_path):

@@ -42,9 +42,9 @@ def test_a_seeded_generation_drafts_with_its_noise_and_greedy_without(monkeypatc
     seen = []
     propose = RecycleDrafter.propose
 
-    def spy(self, root, value, max_len, noise=NO_NOISE, inv_temp=1.0):
+    def spy(self, root, value, max_len, noise=NO_NOISE, inv_temp=1.0, *rest):
         seen.append((noise.shape[0], inv_temp))
-        return propose(self, root, value, max_len, noise, inv_temp)
+        return propose(self, root, value, max_len, noise, inv_temp, *rest)
 
     monkeypatch.setattr(RecycleDrafter, "propose", spy)
     model = build_tiny_model("llama", dtype=torch.float64, seed=3, vocab=32)

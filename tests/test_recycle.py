@@ -11,7 +11,7 @@ import torch
 
 from lookahead import recycle
 from lookahead.config import LookaheadConfig
-from lookahead.drafters import RECYCLE, RECYCLE_SOURCES, SOURCE_DRAFTER, Drafters
+from lookahead.drafters import RECYCLE, RECYCLE_PAIR, RECYCLE_SOURCES, SOURCE_DRAFTER, Drafters
 from lookahead.gumbel import gumbel_of, index_key
 from lookahead.recycle import RecycleDrafter, RecycleTable
 
@@ -143,7 +143,8 @@ def test_drafters_merge_recycled_nodes_with_class_sources_and_share_the_table():
     assert by_path[(2,)] == RECYCLE and by_path[(2, 5)] == RECYCLE + 1  # a confident and a less confident top-1
     assert by_path[(3,)] == by_path[(2, 6)] == RECYCLE + 2 and by_path[(4,)] == by_path[(2, 7)] == RECYCLE + 3
     assert {SOURCE_DRAFTER[s] for s in by_path.values()} == {"recycle"}
-    assert SOURCE_DRAFTER[RECYCLE + RECYCLE_SOURCES:] == ("head",) * (len(SOURCE_DRAFTER) - RECYCLE - RECYCLE_SOURCES)
+    assert SOURCE_DRAFTER[RECYCLE:RECYCLE + RECYCLE_SOURCES] == ("recycle",) * RECYCLE_SOURCES
+    assert SOURCE_DRAFTER[RECYCLE_PAIR:RECYCLE_PAIR + RECYCLE_SOURCES] == ("recycle",) * RECYCLE_SOURCES
     off = Drafters(config.with_overrides(recycle_nodes=0), 16, np.array([9, 1]), recycle_table=table)
     assert off.draft(1, max_len=3).size == 1
 
