@@ -207,8 +207,8 @@ def _grow(table, scores, pkeys, pnext, pscores, pseeded, noise, inv_temp, prev, 
     when `noise` ([Dn] uint64 keys) has a key for its depth — and its share of the recycled probability; scores
     [vocab, k] float32 the recycled logits) in column c when it comes from a token's row, C + c from a verified
     pair's row, 2C + c from a seeded pair's row; max_depth <= paths.shape[1]. Writes, per node in selection order
-    (a parent before its children): paths[i, :depth[i]] its tokens from the root's child down to it, depth[i], rank[i] its column of `value`,
-    parent[i] (-1 = the root), score[i] (product of the values along its path). f_parent / f_token / f_rank /
+    (a parent before its children): paths[i, :depth[i]] its tokens from the root's child down to it, depth[i],
+    rank[i] its column of `value`, parent[i] (-1 = the root), score[i] (product of the values along its path). f_parent / f_token / f_rank /
     f_score: frontier scratch of at least (max_nodes + 1) * 2k entries; out_tokens, out_classes: [2k] scratch;
     row_tokens, row_scores, places, place_keys: [k] scratch.
     """

@@ -16,8 +16,9 @@ drafts, which verification checks.
 A prior file is a safetensors file: `tokens` [n] int32, `next` [n, k] int32 (-1 padded), `scores` [n, k] float32,
 optionally the pair rows `pair_prev` [m] int32, `pair_tokens` [m] int32, `pair_next` [m, k'] int32 and
 `pair_scores` [m, k'] float32 (a file without them seeds no pair rows), with text metadata `format`
-("lookahead-recycle-prior"), `fingerprint` (`head_files.model_fingerprint`), `model` and `made`. Priors shipped with the package live in `lookahead/priors/`; `prior_for(model, "auto")` finds the one
-made for the model (None when none is).
+("lookahead-recycle-prior"), `fingerprint` (`head_files.model_fingerprint`), `model` and `made`. Priors shipped
+with the package live in `lookahead/priors/`; `prior_for(model, "auto")` finds the one made for the model (None
+when none is).
 """
 
 from __future__ import annotations
