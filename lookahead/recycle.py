@@ -21,8 +21,13 @@ third, … prediction (capped at the last class). The `max_nodes` most valuable 
 sampling a child's place is instead its place under the noise the seeded draw will add at its index
 (`draft_noise.py`): children ordered by recycled logit / temperature + noise, as the draw orders them.
 
-Memory: `vocab × k` int32 + float32 (49152 × 8 → 3 MB). One table can serve many generations (a `Lookahead` object's
-calls, a server's requests); all methods are thread-safe.
+With pair rows (`recycle_pairs.py`, opt-in: `LookaheadConfig.recycle_pairs`) the table also keeps each verified
+row's top-k under the pair (the token before t, t), and a node's children are those of its pair's row (when one
+is kept) and of its token's row, each family with its own classes: `value` then has a column per class for token
+rows, for verified pair rows and for seeded pair rows (`_grow`).
+
+Memory: `vocab × k` int32 + float32 (49152 × 8 → 3 MB), and with pair rows 9 MB more. One table can serve many
+generations (a `Lookahead` object's calls, a server's requests); all methods are thread-safe.
 """
 
 from __future__ import annotations
@@ -110,7 +115,7 @@ def _update(table, scores, pkeys, pnext, pscores, pseeded, tokens, keys, topk, v
 
 @numba.njit(cache=True)
 def _child_places(row_tokens, row_scores, noise, inv_temp, depth, out, keys):
-    """out[r] = the place of row_tokens[r] among a node's children (its table row, `_row`) at depth `depth`: r
+    """out[r] = the place of row_tokens[r] among a node's children (one row of them, `_children`) at depth `depth`: r
     itself, or, when `noise` [Dn] uint64 has a key for that depth (key depth - 1), its place by row_scores *
     inv_temp + that index's Gumbel noise (`gumbel.gumbel_of`) — the order of the seeded rule's Gumbel-max draw at
     that index, as far as the recycled top-k logits tell. keys: [k] float64 scratch."""
@@ -208,9 +213,9 @@ def _grow(table, scores, pkeys, pnext, pscores, pseeded, noise, inv_temp, prev, 
     [vocab, k] float32 the recycled logits) in column c when it comes from a token's row, C + c from a verified
     pair's row, 2C + c from a seeded pair's row; max_depth <= paths.shape[1]. Writes, per node in selection order
     (a parent before its children): paths[i, :depth[i]] its tokens from the root's child down to it, depth[i],
-    rank[i] its column of `value`, parent[i] (-1 = the root), score[i] (product of the values along its path). f_parent / f_token / f_rank /
-    f_score: frontier scratch of at least (max_nodes + 1) * 2k entries; out_tokens, out_classes: [2k] scratch;
-    row_tokens, row_scores, places, place_keys: [k] scratch.
+    rank[i] its column of `value`, parent[i] (-1 = the root), score[i] (product of the values along its path).
+    f_parent / f_token / f_rank / f_score: frontier scratch of at least (max_nodes + 1) * 2k entries; out_tokens,
+    out_classes: [2k] scratch; row_tokens, row_scores, places, place_keys: [k] scratch.
     """
     n_front = 0
     classes = value.shape[1] // 3
