@@ -102,6 +102,14 @@ class Drafters:
         if self.recycle is not None:
             self.recycle.observe(tokens, logits, order, prev)
 
+    def recycle_tree(self, tree: DraftTree, logits: torch.Tensor, order: np.ndarray, before_root: int) -> None:
+        """`recycle_rows` for a verified tree's rows (`order` as there): each row's previous token is its parent's,
+        the root's is `before_root` (-1: unknown); derived only when pair rows are kept."""
+        prev = None
+        if self.recycle is not None and self.config.recycle_pairs:
+            prev = np.where(tree.parents >= 0, tree.tokens[np.maximum(tree.parents, 0)], before_root)
+        self.recycle_rows(tree.tokens, logits, order, prev)
+
     def observe_hidden(self, hidden: torch.Tensor | None) -> None:
         """Remember the target's final normed hidden state [size] of the row that chose the current root (None:
         unknown; the head then rests until it is told one)."""

@@ -126,9 +126,8 @@ class Sequence:
         path = np.asarray(verdict.path, dtype=np.int64)
         others = np.ones(tree.size, dtype=bool)
         others[path] = False
-        before = np.where(tree.parents >= 0, tree.tokens[np.maximum(tree.parents, 0)],
-                          self.ids[self.length - 2] if self.length >= 2 else -1)
-        self.drafters.recycle_rows(tree.tokens, logits, np.concatenate([np.flatnonzero(others), path]), before)
+        self.drafters.recycle_tree(tree, logits, np.concatenate([np.flatnonzero(others), path]),
+                                   int(self.ids[self.length - 2]) if self.length >= 2 else -1)
         return verdict
 
     def commit(self, tokens: list[int], limit: int, cut_at_stop: bool) -> list[int]:
