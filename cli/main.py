@@ -62,6 +62,7 @@ def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sam
              draft_path, draft_layers, tp, device_map, offload_folder, datastore, datastore_tokens, **knobs) -> None:
     """Stream a completion of PROMPT (or of stdin when PROMPT is omitted or `-`); greedy unless --sample."""
     from lookahead.cli.run import run_generate
+    from lookahead.distributed import release_process_group
 
     text = read_prompt(prompt, sys.stdin)
     config = build_config(mode, knobs)
@@ -73,6 +74,8 @@ def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sam
     try:
         run_generate(text, model_path, chat, max_new_tokens, config, stats, compare, sampling, draft, placement,
                      datastore=(datastore, datastore_tokens))
+        if tp:
+            release_process_group()
     except KeyboardInterrupt:  # the tokens streamed so far stay printed; exit as shells expect after Ctrl-C
         click.echo("\nlookahead: interrupted", err=True)
         raise click.exceptions.Exit(INTERRUPTED_EXIT) from None

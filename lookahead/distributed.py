@@ -90,6 +90,16 @@ def leader_value(value: T) -> T:
     return _broadcast_object(value)
 
 
+def release_process_group() -> None:
+    """End the process group a tensor-parallel load started (transformers' `tp_plan` initializes it), after a
+    barrier, so that the process exits cleanly: a gloo group left up at interpreter exit can abort the process
+    ("terminate called without an active exception", seen once in CI after `lookahead generate --tp` had printed
+    its output). Every rank must call it; nothing happens without a process group."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def _broadcast_object(value):
     """Rank 0's `value` on every rank (pickled)."""
     box = [value]
