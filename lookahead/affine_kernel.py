@@ -44,14 +44,15 @@ def affine_kernel_ir(rows: int, width: int, prefetch: int = AFFINE_PREFETCH_STEP
                      form: str = "affine4") -> str:
     """LLVM IR of `void name(i64 x, i64 xs, i64 w, i64 y, i64 K, i64 N, i64 lo, i64 hi)` with the contract of
     `streamed_gemm.kernel_ir` (x transposed [K, xs], y [rows, N], panels lo ≤ b < hi) for panels of `form`
-    ("affine4" or "scaled8", see the module docstring) at `w` (K a multiple of 32). AVX2 "affine4" products of the
-    row counts `affine_tiles` measured faster as hand-placed register tiles are that module's kernel instead."""
+    ("affine4", "affine4h" or "scaled8", see the module docstring) at `w` (K a multiple of 32). Products of the row
+    counts measured faster as hand-placed register tiles (AVX2 "affine4": `affine_tiles`; AVX-512 "affine4h":
+    `affine_tiles512`) are that module's kernel instead."""
     if form not in RECORD_FLOATS:
         raise ValueError(f"exact block forms are {list(RECORD_FLOATS)}, got {form!r}")
     from . import affine_tiles  # imports this module's constants
 
     if affine_tiles.tiled(rows, width, form):
-        return affine_tiles.tile_kernel_ir(rows, name)
+        return affine_tiles.tile_kernel_ir(rows, name, width)
     out = [f"define internal void @{name}{_SIGNATURE} {{",
            "entry:\n  %x = inttoptr i64 %xa to ptr\n  %w = inttoptr i64 %wa to ptr\n  %y = inttoptr i64 %ya to ptr",
            f"  %records = udiv i64 %K, {AFFINE_BLOCK}\n  %groups = udiv i64 %K, 8"]

@@ -24,6 +24,9 @@ and 20.11 → 16.95, 12 rows 28.55 → 26.69 and 24.74 → 19.44 (1). One row (5
 
 from __future__ import annotations
 
+import sys
+from types import ModuleType
+
 from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS, _splat
 from .compiled_ir import host_features
 
@@ -31,33 +34,41 @@ WIDTH = 8  # floats per AVX2 vector register: the only width tiles are written f
 VECTOR_REGISTERS = 16
 TILE_PANELS = {3: 3, 4: 2, 5: 2, 6: 2, 9: 1, 10: 1, 11: 1, 12: 1}  # row count → panels per tile (measured)
 PREFETCH_BYTES = 8192  # how far ahead of the record being computed its panel is prefetched
-_RECORD_BYTES = 4 * WIDTH * RECORD_FLOATS["affine4"]
-_PANEL_REGISTERS = ("%r8", "%r9", "%r10", "%r11")  # one record pointer per panel of a tile
+RECORD_BYTES = 4 * WIDTH * RECORD_FLOATS["affine4"]
+SCRATCH_BYTES = 4 * WIDTH  # the code mask
+PANEL_REGISTERS = ("%r8", "%r9", "%r10", "%r11")  # one record pointer per panel of a tile
 # The parameter block the assembly reads (i64 each): first panel's record, bytes between panels, x, bytes between
 # steps of x, records per panel, address of the code mask, y at the first panel's column, bytes between rows of y.
 _PARAMETERS = ("panel", "panel_bytes", "x", "x_step", "records", "mask", "y", "y_row")
 
 
 def tiled(rows: int, width: int, form: str) -> bool:
-    """Whether products of `rows` rows on `form` panels of `width` floats run as tiles here (`TILE_PANELS`; the
-    assembly's integer vector instructions need AVX2, which a CPU with FMA may lack)."""
-    return form == "affine4" and width == WIDTH and rows in TILE_PANELS and "+avx2" in host_features().split(",")
+    """Whether products of `rows` rows on `form` panels of `width` floats run as tiles here: AVX2 "affine4" panels
+    of the row counts in `TILE_PANELS` (the assembly's integer vector instructions need AVX2, which a CPU with FMA
+    may lack), AVX-512 "affine4h" panels of those in `affine_tiles512.TILE_PANELS`."""
+    from . import affine_tiles512 as wide  # imports this module's frame
+
+    features = host_features().split(",")
+    if width == WIDTH:
+        return form == "affine4" and rows in TILE_PANELS and "+avx2" in features
+    return width == wide.WIDTH and form == wide.FORM and rows in wide.TILE_PANELS and "+avx512f" in features
 
 
-def tile_kernel_ir(rows: int, name: str) -> str:
+def tile_kernel_ir(rows: int, name: str, width: int = WIDTH) -> str:
     """LLVM IR of `void name(i64 x, i64 xs, i64 w, i64 y, i64 K, i64 N, i64 lo, i64 hi)` with the contract of
-    `affine_kernel.affine_kernel_ir` for "affine4" panels of width 8: panels lo ≤ b < hi in tiles of
-    `TILE_PANELS[rows]` panels, the panels left over one at a time. Raises `KeyError` for a row count without a
-    tile."""
-    panels = TILE_PANELS[rows]
+    `affine_kernel.affine_kernel_ir` for panels of `width` floats ("affine4" with AVX2's 8, "affine4h" with
+    AVX-512's 16): panels lo ≤ b < hi in tiles of the width's measured panel count for `rows`, the panels left over
+    one at a time. Raises `KeyError` for a row count without a tile."""
+    isa = _isa(width)
+    panels = isa.TILE_PANELS[rows]
     stores = "\n".join(f"  %p{i} = getelementptr i64, ptr %params, i64 {i}" for i in range(len(_PARAMETERS)))
     return f"""define internal void @{name}(i64 %xa, i64 %xs, i64 %wa, i64 %ya, i64 %K, i64 %N, i64 %lo, i64 %hi) {{
 entry:
   %params = alloca [{len(_PARAMETERS)} x i64], align 8
-  %mask = alloca <{WIDTH} x i32>, align 32
-  store <{WIDTH} x i32> {_splat(WIDTH, 15)}, ptr %mask, align 32
+  %mask = alloca [{isa.SCRATCH_BYTES // 4} x i32], align 64
+  store <{width} x i32> {_splat(width, 15)}, ptr %mask, align 64
 {stores}
-  %panel_bytes = mul i64 %K, {_RECORD_BYTES // AFFINE_BLOCK}
+  %panel_bytes = mul i64 %K, {isa.RECORD_BYTES // AFFINE_BLOCK}
   store i64 %panel_bytes, ptr %p1
   store i64 %xa, ptr %p2
   %x_step = mul i64 %xs, 4
@@ -75,14 +86,14 @@ tile:
   %fits = icmp sle i64 %b_end, %hi
   br i1 %fits, label %whole, label %rest
 whole:
-{_call(rows, panels, 'whole')}
+{_call(isa, rows, panels, 'whole')}
   %b_tile = add i64 %b, {panels}
   br label %tile
 rest:
   %left = icmp slt i64 %b, %hi
   br i1 %left, label %single, label %exit
 single:
-{_call(rows, 1, 'single')}
+{_call(isa, rows, 1, 'single')}
   %b_one = add i64 %b, 1
   br label %tile
 exit:
@@ -90,41 +101,64 @@ exit:
 }}"""
 
 
-def _call(rows: int, panels: int, tag: str) -> str:
+def _isa(width: int) -> ModuleType:
+    """The module whose tiles are written for panels of `width` floats: this one (AVX2) or `affine_tiles512`."""
+    from . import affine_tiles512
+
+    return affine_tiles512 if width == affine_tiles512.WIDTH else sys.modules[__name__]
+
+
+def _call(isa: ModuleType, rows: int, panels: int, tag: str) -> str:
     """IR (values named after `tag`): point the parameter block at panel %b (its records and its column of y), then
-    run the tile."""
-    text, constraints = tile_assembly(rows, panels)
+    run `isa`'s tile."""
+    text, constraints = isa.tile_assembly(rows, panels)
     return (f"  %{tag}w = mul i64 %b, %panel_bytes\n  %{tag}wa = add i64 %wa, %{tag}w\n  store i64 %{tag}wa, ptr %p0\n"
-            f"  %{tag}y = mul i64 %b, {4 * WIDTH}\n  %{tag}ya = add i64 %ya, %{tag}y\n  store i64 %{tag}ya, ptr %p6\n"
+            f"  %{tag}y = mul i64 %b, {4 * isa.WIDTH}\n  %{tag}ya = add i64 %ya, %{tag}y\n"
+            f"  store i64 %{tag}ya, ptr %p6\n"
             f"  call void asm sideeffect \"{text}\", \"{constraints}\"(ptr %params)")
 
 
 def tile_assembly(rows: int, panels: int) -> tuple[str, str]:
     """(AT&T assembly as an LLVM inline-asm string, its constraints) of one tile: `rows` rows × `panels` panels over
     all records, the sums stored to y. Raises `ValueError` when the tile does not fit the vector registers."""
-    if rows < 1 or panels < 1 or rows * panels + panels + 1 > VECTOR_REGISTERS or panels > len(_PANEL_REGISTERS):
+    if rows < 1 or panels < 1 or rows * panels + panels + 1 > VECTOR_REGISTERS or panels > len(PANEL_REGISTERS):
         raise ValueError(f"a tile of {rows} rows × {panels} panels does not fit {VECTOR_REGISTERS} registers")
     registers = _Registers(rows, panels)
-    pointers = _PANEL_REGISTERS[:panels]
+
+    def record_start(c: int, pointer: str) -> list[str]:
+        return [f"vmovups ({pointer}), %ymm{registers.scales[c]}"] if registers.scales else []
+
+    load_mask = None if registers.mask is None else f"vmovdqu (%rbx), %ymm{registers.mask}"
+    return tile_frame(sys.modules[__name__], registers.sums, load_mask, record_start,
+                      lambda step, pointers: _step(step, rows, pointers, registers))
+
+
+def tile_frame(isa: ModuleType, sums: dict, load_mask: str | None, record_start, step) -> tuple[str, str]:
+    """(assembly, constraints) of a tile of `isa` (this module or `affine_tiles512`) around its arithmetic: read the
+    parameter block, zero the accumulators `sums[m, c]` (register numbers), load the code mask (`load_mask`, an
+    instruction or None), then per record `record_start(c, pointer)` for each panel after its prefetches and the
+    32 steps `step(step, pointers)`, the panel pointers moved on; at the end each row's sums stored to y."""
+    rows, panels = max(m for m, _ in sums) + 1, max(c for _, c in sums) + 1
+    vector, zero = ("zmm", "vpxord") if isa.WIDTH == 16 else ("ymm", "vxorps")
+    pointers = PANEL_REGISTERS[:panels]
     lines = ["movq 0($0), %r8", "movq 8($0), %rcx"] + [f"leaq ({a},%rcx), {b}" for a, b in zip(pointers, pointers[1:])]
     lines += ["movq 16($0), %rsi", "movq 24($0), %rdi", "movq 32($0), %rdx", "movq 40($0), %rbx"]
-    lines += [f"vxorps %ymm{r}, %ymm{r}, %ymm{r}" for r in registers.sums.values()]
-    if registers.mask is not None:
-        lines.append(f"vmovdqu (%rbx), %ymm{registers.mask}")
+    lines += [f"{zero} %{vector}{r}, %{vector}{r}, %{vector}{r}" for r in sums.values()]
+    lines += [load_mask] if load_mask else []
     lines.append("1:")
     for c, pointer in enumerate(pointers):
-        lines += [f"prefetcht0 {PREFETCH_BYTES + 64 * line}({pointer})" for line in range(_RECORD_BYTES // 64)]
-        if registers.scales:
-            lines.append(f"vmovups ({pointer}), %ymm{registers.scales[c]}")
-    for step in range(AFFINE_BLOCK):
-        lines += _step(step, rows, pointers, registers)
-    lines += [f"addq $${_RECORD_BYTES}, {pointer}" for pointer in pointers]
+        lines += [f"prefetcht0 {isa.PREFETCH_BYTES + 64 * line}({pointer})"
+                  for line in range(isa.RECORD_BYTES // 64)]
+        lines += record_start(c, pointer)
+    for k in range(AFFINE_BLOCK):
+        lines += step(k, pointers)
+    lines += [f"addq $${isa.RECORD_BYTES}, {pointer}" for pointer in pointers]
     lines += ["decq %rdx", "jnz 1b", "movq 48($0), %rax", "movq 56($0), %rcx"]
     for m in range(rows):
-        lines += [f"vmovups %ymm{registers.sums[m, c]}, {4 * WIDTH * c}(%rax)" for c in range(panels)]
+        lines += [f"vmovups %{vector}{sums[m, c]}, {4 * isa.WIDTH * c}(%rax)" for c in range(panels)]
         lines.append("addq %rcx, %rax")
     clobbers = [f"~{{{r}}}" for r in ("rax", "rbx", "rcx", "rdx", "rsi", "rdi")]
-    clobbers += [f"~{{{p[1:]}}}" for p in pointers] + [f"~{{ymm{i}}}" for i in range(VECTOR_REGISTERS)]
+    clobbers += [f"~{{{p[1:]}}}" for p in pointers] + [f"~{{{vector}{i}}}" for i in range(isa.VECTOR_REGISTERS)]
     clobbers += ["~{memory}", "~{dirflag}", "~{fpsr}", "~{flags}"]
     return "\\0A".join(lines), ",".join(["r", *clobbers])
 
@@ -158,9 +192,16 @@ def _step(step: int, rows: int, pointers: tuple[str, ...], registers: _Registers
         if not registers.scales:
             lines.append(f"vmovups ({pointer}), {scale}")
         lines.append(f"vfmadd213ps {4 * WIDTH}({pointer}), {scale}, {w}")
+    return lines + row_products(rows, len(pointers), registers, "ymm")
+
+
+def row_products(rows: int, panels: int, registers, vector: str) -> list[str]:
+    """A step's multiply-adds: per row its input broadcast into `registers.broadcast`, then one multiply-add per
+    panel into the row's sums (`vector` registers: "ymm" or "zmm"); x then moves on to the next step."""
+    lines = []
     for m in range(rows):
-        lines.append(f"vbroadcastss {4 * m}(%rsi), %ymm{registers.broadcast}")
-        lines += [f"vfmadd231ps %ymm{registers.weights[c]}, %ymm{registers.broadcast}, %ymm{registers.sums[m, c]}"
-                  for c in range(len(pointers))]
+        lines.append(f"vbroadcastss {4 * m}(%rsi), %{vector}{registers.broadcast}")
+        lines += [f"vfmadd231ps %{vector}{registers.weights[c]}, %{vector}{registers.broadcast}, "
+                  f"%{vector}{registers.sums[m, c]}" for c in range(panels)]
     return lines + ["addq %rdi, %rsi"]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_models import build_tiny_model, repetitive_prompt, three_steps
 
-from lookahead import Lookahead, LookaheadConfig, affine_tiles, affine_weights, hf, streamed_gemm
+from lookahead import Lookahead, LookaheadConfig, affine_tiles, affine_tiles512, affine_weights, hf, streamed_gemm
 from lookahead.affine_weights import affine_form
 from lookahead.compiled_ir import host_features
 from lookahead.attention import tree_attention
@@ -384,14 +384,20 @@ def test_tiles_leave_every_sum_bit_identical_to_the_float32_panels(columns, avx2
     """Every tiled row count on panel counts that leave panels over after the tiles (also per thread), one thread
     and two, K of one and of three records. On an AVX-512 CPU the panels are packed 8 wide as on AVX2, so the
     tiles (AVX2 instructions, which AVX-512 CPUs run too) are tested there as well."""
+    _assert_tiles_bit_identical(columns, affine_tiles.TILE_PANELS, "affine4")
+
+
+def _assert_tiles_bit_identical(columns: int, tiles: dict, kind: str) -> None:
+    """Products of every row count in `tiles` on `kind` panels of a Q4_1 weight of `columns` columns equal the
+    float32 panels' bit for bit, K of one and of three records, one thread and two."""
     generator = torch.Generator().manual_seed(columns)
     for k in (32, 96):
         weight = q4_1(torch.randn(columns, k, generator=generator))
         compact, plain = affine_weights.pack_stacked([weight]), streamed_gemm.pack(weight)
-        assert compact.kind == "affine4"
+        assert compact.kind == kind
         for threads in (1, 2):
             with _threads(threads):
-                for rows in sorted(affine_tiles.TILE_PANELS):
+                for rows in sorted(tiles):
                     x = torch.randn(rows, k, generator=generator)
                     assert torch.equal(streamed_gemm.product(x, compact), streamed_gemm.product(x, plain)), rows
 
@@ -400,6 +406,41 @@ def test_a_tile_must_fit_the_vector_registers():
     assert affine_tiles.tile_assembly(3, 3)[0].count("vfmadd231ps") == 3 * 3 * 32
     with pytest.raises(ValueError, match="does not fit"):
         affine_tiles.tile_assembly(5, 3)
+
+
+needs_avx512 = pytest.mark.skipif("+avx512f" not in host_features().split(","), reason="tiles written for AVX-512")
+
+
+@needs_kernel
+@needs_avx512
+@pytest.mark.parametrize("tiles", [affine_tiles512.TILE_PANELS, {1: 1, 4: 3, 6: 3, 8: 3}, {2: 2, 7: 2, 8: 1}])
+@pytest.mark.parametrize("columns", [7 * 16, 11 * 16 - 5, 16])
+def test_avx512_tiles_leave_every_sum_bit_identical_to_the_float32_panels(columns, tiles, monkeypatch):
+    """The shipped AVX-512 tiles and others (offsets and code mask in registers or read from the scratch area, one
+    panel to three) on panel counts that leave panels over after the tiles (also per thread), one thread and two, K
+    of one and of three records, every row count of a tile computed on "affine4h" panels."""
+    monkeypatch.setattr(affine_tiles512, "TILE_PANELS", tiles)
+    streamed_gemm._kernel_address.cache_clear()
+    try:
+        _assert_tiles_bit_identical(columns, tiles, "affine4h")
+    finally:
+        streamed_gemm._kernel_address.cache_clear()
+
+
+def test_an_avx512_tile_must_fit_the_vector_registers():
+    text = affine_tiles512.tile_assembly(8, 3)[0]
+    assert text.count("vfmadd231ps") == 8 * 3 * 32 and "vcvtph2ps" in text
+    with pytest.raises(ValueError, match="does not fit"):
+        affine_tiles512.tile_assembly(9, 3)
+
+
+def test_avx512_tiles_are_used_only_for_their_row_counts_on_float16_records(monkeypatch):
+    wide = affine_tiles512.WIDTH
+    monkeypatch.setattr(affine_tiles, "host_features", lambda: "+avx,+avx2,+fma,-avx512f")
+    assert not affine_tiles.tiled(5, wide, "affine4h")
+    monkeypatch.setattr(affine_tiles, "host_features", lambda: "+avx,+avx2,+fma,+avx512f")
+    assert affine_tiles.tiled(5, wide, "affine4h") and not affine_tiles.tiled(5, wide, "affine4")
+    assert not affine_tiles.tiled(4, wide, "affine4h")  # four rows stay on the LLVM kernel's three panels
 
 
 class _threads:
