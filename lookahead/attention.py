@@ -5,10 +5,12 @@ cached prefix (the verification step) runs the Triton tree kernel with the mask'
 the CPU, a masked forward of a grouped-query model (the verification step) runs PyTorch's SDPA with
 `enable_gqa=True` instead of transformers' copy of every key/value head per query head (`repeat_kv`), which costs
 more than the attention itself at 8–16 rows, and an unmasked one-row forward (plain decoding) makes the very SDPA
-call transformers' wrapper would make, without the wrapper's Python. Everything else (prefill, features such as a
-position bias) runs transformers' own SDPA attention unchanged. All compute the same attention, so choosing
-between them never changes what the model means. Triton is imported only on the kernel path, so the CPU path
-works without it. `tree_attention(model, choice)` switches a model to the backend for a block of code.
+call transformers' wrapper would make, without the wrapper's Python. A prompt's causal prefill on an AVX-512 CPU
+runs `prefill_attention`'s compiled kernel (~3x PyTorch's CPU flash attention there; the same attention, summed in
+another order). Everything else (other prefills, features such as a position bias) runs transformers' own SDPA
+attention unchanged. All compute the same attention, so choosing between them never changes what the model means.
+Triton is imported only on the kernel path, so the CPU path works without it. `tree_attention(model, choice)`
+switches a model to the backend for a block of code.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import prefill_attention
 from .config import ATTENTION_CHOICES
 
 NAME = "lookahead_tree"
@@ -29,6 +32,10 @@ NAME = "lookahead_tree"
 # Take the kernel path for CPU tensors too. Only meaningful while Triton interprets the kernel
 # (TRITON_INTERPRET=1); tests set it to check the kernel path against SDPA without a GPU.
 FORCE_KERNEL = False
+
+# Run a CPU prompt's causal prefill on `prefill_attention`'s compiled kernel where it applies (tests switch it off to
+# compare against SDPA).
+PREFILL_KERNEL = True
 
 # Attention features the kernel does not implement; a layer asking for one always runs SDPA.
 _KERNEL_UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux")
@@ -98,6 +105,9 @@ def tree_attention_forward(
         `([B, T, H, D] attention output, None)`, like SDPA.
     """
     tree_mask = _kernel_tree_mask(query, key, attention_mask) if _kernel_eligible(query, dropout, kwargs) else None
+    if tree_mask is None and _prefill_eligible(module, query, key, attention_mask, dropout, kwargs):
+        size = query.shape[-1]
+        return prefill_attention.causal_attention(query, key, value, size ** -0.5 if scaling is None else scaling), None
     if tree_mask is None and _grouped_cpu_eligible(module, query, attention_mask, kwargs):
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                                dropout_p=dropout, scale=scaling, enable_gqa=True)
@@ -128,6 +138,18 @@ def _grouped_cpu_eligible(module, query: torch.Tensor, attention_mask: torch.Ten
         return False
     extras = ("position_bias", "cache") + _KERNEL_UNSUPPORTED_KWARGS
     return not any(kwargs.get(name) is not None for name in extras) and not kwargs.get("output_attentions")
+
+
+def _prefill_eligible(module, query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float,
+                      kwargs: dict) -> bool:
+    """Whether `prefill_attention` computes this call: a causal prefill (transformers' SDPA path would take it as
+    causal: more than one row, no mask, a causal layer) it computes, none of the extras SDPA handles."""
+    if not PREFILL_KERNEL or not getattr(module, "is_causal", True):
+        return False
+    extras = ("position_bias", "cache") + _KERNEL_UNSUPPORTED_KWARGS
+    if any(kwargs.get(name) is not None for name in extras):
+        return False
+    return prefill_attention.eligible(query, key, attention_mask, dropout, kwargs)
 
 
 def _kernel_eligible(query: torch.Tensor, dropout: float, kwargs: dict) -> bool:

@@ -168,8 +168,10 @@ def test_cpu_tree_forward_attends_grouped_without_copying_heads(model, monkeypat
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU path")
 def test_cpu_decoding_step_calls_grouped_sdpa_directly_with_sdpas_numbers(model, monkeypatch):
     """A one-row unmasked CPU step (plain decoding) calls SDPA with enable_gqa itself, skipping transformers'
-    wrapper, and its logits are transformers' SDPA logits bit for bit (the unmasked prefill still goes through the
-    wrapper, which passes is_causal; the 4-row chunk has a mask and takes the grouped path as before)."""
+    wrapper, and its logits are transformers' SDPA logits bit for bit (the unmasked prefill, off the compiled prefill
+    kernel here, still goes through the wrapper, which passes is_causal; the 4-row chunk has a mask and takes the
+    grouped path as before)."""
+    monkeypatch.setattr(attention, "PREFILL_KERNEL", False)
     expected = run_with(model, "sdpa", chunked_prefill_then_decode)
     wrapper_rows = []
     wrapper = attention.sdpa_attention_forward
