@@ -6,7 +6,8 @@ inner loop is inline assembly with every register placed by hand (16 AVX2 vector
 accumulators, one weight vector per panel, one broadcast register, then, while registers are left, the code mask
 and each panel's block scale. One loop iteration is one record (32 steps), fully unrolled; the block scale and
 offset are read from the record each step where no register holds them, and the records are prefetched a fixed
-distance ahead.
+distance ahead. The kernel around a tile (`tile_kernel_ir`: tiles over the panels, the one-panel rest) and a tile's
+frame (`tile_frame`: the parameter block, the record loop, the stores) serve `affine_tiles512`'s AVX-512 tiles too.
 
 Every column's sum is exactly `affine_kernel`'s: per step k = 0 … K-1 in order, the weight rebuilt as fma(q, d, m)
 (`vfmadd213ps`: d·q + m, rounded once), then fma(x[m, k], w, acc) per row (`vfmadd231ps`) — the same bits for any

@@ -29,6 +29,7 @@ import torch
 from numba import types as nb_types
 from numba.extending import intrinsic
 
+from . import streamed_gemm
 from .compiled_ir import call_codegen, compiled_addresses, host_features
 
 LANES = 16  # floats per AVX-512 vector
@@ -42,15 +43,32 @@ _EXP = {"clamp": -87.0, "log2e": 1.44269504088896341, "ln2_hi": 0.693359375, "ln
                  5.0000001201e-1)}
 
 
+@functools.cache
 def available() -> bool:
-    """Whether this CPU runs the kernel (AVX-512 foundation instructions)."""
-    return "+avx512f" in host_features().split(",")
+    """Whether the kernel runs here: a CPU with AVX-512, the streamed kernels' conditions (llvmlite compiles, a
+    thread-safe numba threading layer: `streamed_gemm.available`), and a small case computed within float32 rounding
+    of the float64 attention (checked once per process)."""
+    if "+avx512f" not in host_features().split(",") or not streamed_gemm.available():
+        return False
+    try:
+        generator = torch.Generator().manual_seed(0)
+        query = torch.randn(1, 4, 37, 32, generator=generator)
+        key, value = (torch.randn(1, 2, 40, 32, generator=generator) for _ in range(2))
+        visible = torch.ones(37, 40, dtype=torch.bool).tril(3)
+        exact = torch.nn.functional.scaled_dot_product_attention(
+            query.double(), key.double(), value.double(), attn_mask=visible, enable_gqa=True).transpose(1, 2)
+        got = causal_attention(query, key, value, 32 ** -0.5)
+        return bool((got.double() - exact).abs().max() < 1e-5)
+    except Exception:  # noqa: BLE001 — any failure to build or run the kernel means: not available here
+        return False
 
 
 def eligible(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
-    """Whether a call is a causal prefill this kernel computes: float32 CPU tensors `[1, H, T, D]` / `[1, H_kv, S,
-    D]` with T > 1 rows at the last T of S positions, H a multiple of H_kv, D a multiple of 16, no mask (causal
-    implied), no dropout, no gradient, no sliding window and no attention weights asked for, on an AVX-512 CPU."""
+    """Whether a call is a causal prefill this kernel computes: float32 CPU tensors `[1, H, T, D]` / `[1, H_kv, T,
+    D]` with T > 1 (a whole prompt: SDPA's `is_causal`, which transformers implies without a mask, aligns the
+    triangle to the top left, the same as the kernel's only when query and key lengths agree; transformers passes a
+    mask for a prompt after cached positions), H a multiple of H_kv, D a multiple of 16, no mask, no dropout, no
+    gradient, no sliding window and no attention weights asked for, on an AVX-512 CPU."""
     if attention_mask is not None or dropout or query.is_cuda or query.dtype != torch.float32 or query.requires_grad:
         return False
     if kwargs.get("sliding_window") is not None or kwargs.get("output_attentions") or kwargs.get("is_causal") is False:
@@ -58,7 +76,7 @@ def eligible(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: fl
     if query.dim() != 4 or key.dim() != 4 or query.shape[0] != 1 or key.shape[0] != 1:
         return False
     heads, rows, size = query.shape[1:]
-    return (rows > 1 and key.shape[2] >= rows and heads % key.shape[1] == 0 and size % LANES == 0
+    return (rows > 1 and key.shape[2] == rows and heads % key.shape[1] == 0 and size % LANES == 0
             and key.shape[3] == size and available())
 
 

@@ -8,9 +8,12 @@ import pytest
 import torch
 from tiny_models import build_tiny_model, repetitive_prompt
 
-from lookahead import Lookahead, attention, prefill_attention
+from lookahead import Lookahead, attention, prefill_attention, streamed_gemm
+from lookahead.compiled_ir import host_features
 
-needs_avx512 = pytest.mark.skipif(not prefill_attention.available(), reason="the kernel is written for AVX-512")
+needs_avx512 = pytest.mark.skipif(
+    "+avx512f" not in host_features().split(",") or not streamed_gemm.available(),
+    reason="the kernel is written for AVX-512 (and needs the streamed kernels' conditions)")
 F = torch.nn.functional
 
 
@@ -63,12 +66,20 @@ def test_a_row_never_sees_keys_after_its_position():
     assert not torch.isclose(before[:, 40:], after[:, 40:]).all(-1).any()
 
 
+@needs_avx512
+def test_the_kernel_passes_its_own_check_where_the_cpu_has_avx512():
+    """`available` (which the backend asks before every prefill) holds here: a kernel that built wrong or computed
+    wrong would leave every prefill on SDPA, silently slower, without this test."""
+    assert prefill_attention.available()
+
+
 def test_only_causal_prefills_it_computes_are_taken(monkeypatch):
     monkeypatch.setattr(prefill_attention, "available", lambda: True)
     query, key, _ = _qkv(4, 2, 8, 8, 16)
     assert prefill_attention.eligible(query, key, None, 0.0, {})
-    assert prefill_attention.eligible(query, torch.randn(1, 2, 12, 16), None, 0.0, {"sliding_window": None})
+    assert prefill_attention.eligible(query, key, None, 0.0, {"sliding_window": None})
     refused = [(query, key, torch.zeros(1, 1, 8, 8), 0.0, {}),  # a mask: verification steps, padding
+               (query, torch.randn(1, 2, 12, 16), None, 0.0, {}),  # after cached positions (SDPA: top-left)
                (query, key, None, 0.1, {}),  # dropout
                (query, key, None, 0.0, {"sliding_window": 4}),
                (query, key, None, 0.0, {"output_attentions": True}),
