@@ -4,6 +4,8 @@ to plain greedy."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 from tiny_models import build_tiny_model, repetitive_prompt
@@ -64,6 +66,23 @@ def test_a_row_never_sees_keys_after_its_position():
     after = prefill_attention.causal_attention(query, key, value, 0.2)
     assert torch.equal(before[:, :40], after[:, :40])
     assert not torch.isclose(before[:, 40:], after[:, 40:]).all(-1).any()
+
+
+@needs_avx512
+def test_prefills_in_several_threads_at_once_compute_what_they_compute_alone():
+    """The server prefills concurrent requests in their own threads: each call launches its own parallel tiles; and
+    one thread computes what two do."""
+    cases = [_qkv(9, 3, 150 + 7 * i, 150 + 7 * i, 64, seed=i) for i in range(6)]
+    alone = [prefill_attention.causal_attention(*case, 0.125) for case in cases]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(lambda case: prefill_attention.causal_attention(*case, 0.125), cases * 3))
+    assert all(torch.equal(got, alone[i % len(cases)]) for i, got in enumerate(together))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # tiles are computed whole, whichever thread takes them: the same bits
+        assert torch.equal(prefill_attention.causal_attention(*cases[0], 0.125), alone[0])
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_avx512
