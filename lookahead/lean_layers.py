@@ -6,7 +6,8 @@ one after the other. `lean_layers(model)` gives every Llama-style decoder layer 
 q/k/v and gate/up products are prepacked as one (`packed_linear.FusedGroup`) a forward that calls the same
 products, norms, RoPE, cache and attention function directly: one call per stacked product read through views
 instead of copied slices (except the MLP's gate half, copied as the layer's own forward copies it: the activation's
-rounding depends on its input's layout), RoPE on queries and keys as one tensor with `rotate_half`'s sign folded
+rounding depends on its input's layout) — or, where the products are computed one by one anyway (a prefill on the
+layers' own weights), their outputs apart, never concatenated —, RoPE on queries and keys as one tensor with `rotate_half`'s sign folded
 into the sin once per forward, the RMS norm in a third of `torch.rms_norm`'s operations (`LeanNorm`: transformers' own arithmetic,
 with no Python numbers to convert). Each dispatched operation costs tens of microseconds here, as every layer's
 weights stream through the caches and evict the dispatcher's working set (`benchmarks/bench_dispatch.py`): fewer
@@ -36,7 +37,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import fused_stack
 from .fused_layer import FusedLayer
-from .packed_linear import FusedMember, PackedLinear, _linear
+from .packed_linear import FusedMember, PackedLinear, _linear, linear_parts
 from .rope_table import fold_sin
 
 _ON_ATTR = "_lookahead_lean_on"
@@ -169,31 +170,40 @@ class LeanForward:
                    position_embeddings, kwargs: dict) -> torch.Tensor:
         """The self-attention block's output (after o_proj) for the normed input `x` `[B, T, hidden]`."""
         attn = self.layer.self_attn
-        batch, rows, _ = x.shape
-        stacked = _linear(x, attn.q_proj.group.packed)  # [B, T, q + k + v]
-        heads = stacked.view(batch, rows, -1, self.head_dim).transpose(1, 2)  # [B, q + k + v heads, T, D]
-        query_key, value = heads[:, :self.rotated_heads], heads[:, self.rotated_heads:]
-        cos, folded_sin = self.rotary(position_embeddings)  # [B, 1, T, D] each
-        # apply_rotary_pos_emb on q and k at once: x * cos + rotate_half(x) * sin, with rotate_half(x) * sin =
-        # cat(-x2, x1) * cat(sin1, sin2) computed as cat(x2, x1) * cat(-sin1, sin2) — the same products exactly
-        # (negating a factor negates the rounded product), in two operations instead of five.
-        query_key = (query_key * cos).add_(query_key.roll(self.head_dim // 2, -1).mul_(folded_sin))
-        query, key = query_key[:, :self.query_heads], query_key[:, self.query_heads:]
+        query, key, value = self._rotated_heads(x, attn.q_proj.group.packed, self.rotary(position_embeddings))
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, attn.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
         out, _ = attend(attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling,
                         position_ids=position_ids, use_cache=use_cache, **self.window_kwargs, **kwargs)
-        return _project(out.reshape(batch, rows, -1).contiguous(), attn.o_proj)
+        return _project(out.reshape(*x.shape[:2], -1).contiguous(), attn.o_proj)
+
+    def _rotated_heads(self, x: torch.Tensor, packed, factors: tuple[torch.Tensor, torch.Tensor]):
+        """(query, key, value) `[B, heads, T, D]` of the normed input `x` `[B, T, hidden]`, RoPE applied to query and
+        key with `factors` = (cos, folded sin): from the stacked q/k/v product, or from the three products apart
+        where `_linear` computes them one by one (a prefill: no concatenation, then the same per-element RoPE)."""
+        batch, rows, _ = x.shape
+        parts = linear_parts(x, packed)
+        if parts is not None:
+            query, key, value = (part.view(batch, rows, -1, self.head_dim).transpose(1, 2) for part in parts)
+            return _rope(query, factors, self.head_dim), _rope(key, factors, self.head_dim), value
+        stacked = _linear(x, packed)  # [B, T, q + k + v]
+        heads = stacked.view(batch, rows, -1, self.head_dim).transpose(1, 2)  # [B, q + k + v heads, T, D]
+        query_key = _rope(heads[:, :self.rotated_heads], factors, self.head_dim)  # q and k at once
+        return query_key[:, :self.query_heads], query_key[:, self.query_heads:], heads[:, self.rotated_heads:]
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP block's output for the normed input `x`: down(act(gate(x)) * up(x))."""
         mlp = self.layer.mlp
-        gate_up = _linear(x, mlp.gate_proj.group.packed)  # [B, T, 2 × intermediate]
-        gate, up = gate_up[..., :self.intermediate], gate_up[..., self.intermediate:]
-        # The activation runs on a contiguous copy of the gate half, the layout the layer's own forward hands it:
-        # CPU kernels round the elements of a vector loop's tail differently (exp, erf), and where the tails fall
-        # depends on the layout (and on how the threads split the work). SiLU then runs in place on that copy.
+        parts = linear_parts(x, mlp.gate_proj.group.packed)  # gate and up apart (a prefill), or None: stacked
+        if parts is None:
+            gate_up = _linear(x, mlp.gate_proj.group.packed)  # [B, T, 2 × intermediate]
+            parts = gate_up[..., :self.intermediate], gate_up[..., self.intermediate:]
+        gate, up = parts
+        # The activation runs on a contiguous gate (a copy of the stacked product's half), the layout the layer's
+        # own forward hands it: CPU kernels round the elements of a vector loop's tail differently (exp, erf), and
+        # where the tails fall depends on the layout (and on how the threads split the work). SiLU then runs in
+        # place on it.
         gate = gate.contiguous()
         activated = torch.nn.functional.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)
         return _project(activated * up, mlp.down_proj)
@@ -275,6 +285,15 @@ def _is_silu(act_fn: nn.Module) -> bool:
         with torch.no_grad():
             _SILU_CHECKED[kind] = torch.equal(act_fn(probe), torch.nn.functional.silu(probe))
     return _SILU_CHECKED[kind]
+
+
+def _rope(states: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor], head_dim: int) -> torch.Tensor:
+    """apply_rotary_pos_emb on `states` `[B, heads, T, D]`: x * cos + rotate_half(x) * sin, with rotate_half(x) * sin
+    = cat(-x2, x1) * cat(sin1, sin2) computed as cat(x2, x1) * cat(-sin1, sin2) — the same products exactly
+    (negating a factor negates the rounded product), in two operations instead of five; `factors` = (cos, folded
+    sin) `[B, 1, T, D]`. Element by element, so q and k rotated together or apart get the same bits."""
+    cos, folded_sin = factors
+    return (states * cos).add_(states.roll(head_dim // 2, -1).mul_(folded_sin))
 
 
 def _project(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:

@@ -248,14 +248,27 @@ def _linear(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
     on the oneDNN-packed weight (`packed_product`) — or, when the streamed kernel is in use, the default matmul or
     oneDNN on the layers' own weights (`packed.large`), so that oneDNN's copy of the weights is never made (see the
     module docstring)."""
+    parts = linear_parts(x, packed)
+    if parts is not None:
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     rows = x.numel() // x.shape[-1]
-    if rows <= packed.default_rows:
-        return default_product(x, packed)
     if rows <= packed.streamed_rows:
         return streamed_product(x, packed)
-    if packed.streamed_rows:
-        return onednn_product(x, packed) if packed.large == "onednn" else default_product(x, packed)
     return packed_product(x, packed)
+
+
+def linear_parts(x: torch.Tensor, packed: _PackedWeights) -> list[torch.Tensor] | None:
+    """Each source linear's product of x [..., K] on its own, in the order `packed` stacks them, when `_linear`
+    computes them one by one — PyTorch's default matmul or oneDNN on the layers' own weights — so that a caller who
+    splits the stacked output again can skip `_linear`'s concatenation (a 660-token prefill of the default model:
+    ~40 ms of `torch.cat`); None when `_linear` computes one stacked product (the streamed kernel, the packed
+    weight)."""
+    rows = x.numel() // x.shape[-1]
+    if rows <= packed.default_rows:
+        return _each(x, packed, F.linear)
+    if rows <= packed.streamed_rows or not packed.streamed_rows:
+        return None
+    return _each(x, packed, _onednn_linear if packed.large == "onednn" else F.linear)
 
 
 def streamed_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
@@ -276,8 +289,7 @@ def onednn_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
     """x [..., K] → [..., N]: each source linear's own weight through oneDNN's product, unpacked (no copy of the
     weights is kept; a prompt's prefill on CPUs where MKL's default matmul takes a slower path, measured by
     `row_kernels`), outputs side by side as the packed weight stacks them."""
-    return _side_by_side(x, packed, lambda x, weight, bias: torch.ops.mkldnn._linear_pointwise(
-        x, weight.detach(), None if bias is None else bias.detach(), "none", [], ""))
+    return _side_by_side(x, packed, _onednn_linear)
 
 
 def default_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
@@ -286,11 +298,22 @@ def default_product(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
     return _side_by_side(x, packed, F.linear)
 
 
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` through oneDNN's product on the unpacked weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight.detach(), None if bias is None else bias.detach(), "none",
+                                              [], "")
+
+
 def _side_by_side(x: torch.Tensor, packed: _PackedWeights, product) -> torch.Tensor:
     """`product(x, weight, bias)` of each source linear of `packed`, outputs concatenated along the last dimension
     in the order the packed weight stacks them."""
-    outputs = [product(x, linear.weight, linear.bias) for linear in packed.linears]
+    outputs = _each(x, packed, product)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+
+def _each(x: torch.Tensor, packed: _PackedWeights, product) -> list[torch.Tensor]:
+    """`product(x, weight, bias)` of each source linear of `packed`, in the order the packed weight stacks them."""
+    return [product(x, linear.weight, linear.bias) for linear in packed.linears]
 
 
 class PackedLinear(nn.Module):
