@@ -136,20 +136,25 @@ def _grouped_cpu_eligible(module, query: torch.Tensor, attention_mask: torch.Ten
         return False
     if getattr(module, "num_key_value_groups", 1) <= 1:
         return False
-    extras = ("position_bias", "cache") + _KERNEL_UNSUPPORTED_KWARGS
-    return not any(kwargs.get(name) is not None for name in extras) and not kwargs.get("output_attentions")
+    return not _asks_extras(kwargs)
 
 
 def _prefill_eligible(module, query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float,
                       kwargs: dict) -> bool:
     """Whether `prefill_attention` computes this call: a causal prefill (transformers' SDPA path would take it as
     causal: more than one row, no mask, a causal layer) it computes, none of the extras SDPA handles."""
-    if not PREFILL_KERNEL or not getattr(module, "is_causal", True):
+    if attention_mask is not None or query.shape[2] < 2:  # every step after the prefill: decided at once
         return False
-    extras = ("position_bias", "cache") + _KERNEL_UNSUPPORTED_KWARGS
-    if any(kwargs.get(name) is not None for name in extras):
+    if not PREFILL_KERNEL or not getattr(module, "is_causal", True) or _asks_extras(kwargs):
         return False
     return prefill_attention.eligible(query, key, attention_mask, dropout, kwargs)
+
+
+def _asks_extras(kwargs: dict) -> bool:
+    """Whether a call asks for something transformers' SDPA path handles beyond plain attention (a position bias,
+    a paged cache, softcapping, sinks, attention weights)."""
+    extras = ("position_bias", "cache") + _KERNEL_UNSUPPORTED_KWARGS
+    return any(kwargs.get(name) is not None for name in extras) or bool(kwargs.get("output_attentions"))
 
 
 def _kernel_eligible(query: torch.Tensor, dropout: float, kwargs: dict) -> bool:

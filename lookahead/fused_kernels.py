@@ -27,9 +27,14 @@ from .attention_kernel import call_dots, call_weighted
 from .streamed_gemm import _launch
 
 _REDUCE = {"reassoc", "nsz", "contract"}  # reductions: vectorised sums (their own order, deterministic)
-_LOG2E = np.float32(1.4426950408889634)
 HIDDEN = np.float32(-1e30)  # a mask value at or below this hides its slot (masks use float32's lowest, -3.4e38)
-_EXP_FLOOR = np.float32(-87.0)  # exp of anything below is taken as 0 (true value < 1.7e-38)
+# Cephes' expf, which `_exp_below` and `prefill_attention`'s compiled exp both use: x = n·ln 2 + r with ln 2 split
+# in a high and a low part, then e^r ≈ 1 + r + r²·p(r), p's coefficients highest degree first.
+LOG2E = np.float32(1.4426950408889634)
+EXP_FLOOR = np.float32(-87.0)  # exp of anything below is taken as 0 (true value < 1.7e-38)
+EXP_LN2 = (np.float32(0.693359375), np.float32(-2.12194440e-4))
+EXP_POLYNOMIAL = (np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3),
+                  np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1))
 
 
 @numba.njit(nogil=True, cache=True)
@@ -107,16 +112,16 @@ def _exp_below(scores, length, top, powers):  # pragma: no cover - compiled
     bits = powers.view(np.int32)
     for s in range(length):
         x = scores[s] - top
-        kept = x >= _EXP_FLOOR
-        x = max(x, _EXP_FLOOR)
-        n = np.floor(x * _LOG2E + np.float32(0.5))
-        r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)
-        p = np.float32(1.9875691500e-4)
-        p = p * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
+        kept = x >= EXP_FLOOR
+        x = max(x, EXP_FLOOR)
+        n = np.floor(x * LOG2E + np.float32(0.5))
+        r = x - n * EXP_LN2[0] - n * EXP_LN2[1]
+        p = EXP_POLYNOMIAL[0]
+        p = p * r + EXP_POLYNOMIAL[1]
+        p = p * r + EXP_POLYNOMIAL[2]
+        p = p * r + EXP_POLYNOMIAL[3]
+        p = p * r + EXP_POLYNOMIAL[4]
+        p = p * r + EXP_POLYNOMIAL[5]
         scores[s] = p * r * r + r + np.float32(1.0)
         bits[s] = ((np.int32(n) + np.int32(127)) << 23) if kept else np.int32(0)
 

@@ -7,13 +7,13 @@ q/k/v and gate/up products are prepacked as one (`packed_linear.FusedGroup`) a f
 products, norms, RoPE, cache and attention function directly: one call per stacked product read through views
 instead of copied slices (except the MLP's gate half, copied as the layer's own forward copies it: the activation's
 rounding depends on its input's layout) — or, where the products are computed one by one anyway (a prefill on the
-layers' own weights), their outputs apart, never concatenated —, RoPE on queries and keys as one tensor with `rotate_half`'s sign folded
-into the sin once per forward, the RMS norm in a third of `torch.rms_norm`'s operations (`LeanNorm`: transformers' own arithmetic,
-with no Python numbers to convert). Each dispatched operation costs tens of microseconds here, as every layer's
-weights stream through the caches and evict the dispatcher's working set (`benchmarks/bench_dispatch.py`): fewer
-operations, the same arithmetic. Every operation is the
-one transformers' layer performs, element for element, so the logits are bit-identical (tests check it on every
-supported architecture and the default model).
+layers' own weights), their outputs apart, never concatenated —, RoPE on queries and keys as one tensor (or the two
+apart, element by element the same) with `rotate_half`'s sign folded into the sin once per forward, the RMS norm
+in a third of `torch.rms_norm`'s operations (`LeanNorm`: transformers' own arithmetic, with no Python numbers to
+convert). Each dispatched operation costs tens of microseconds here, as every layer's weights stream through the
+caches and evict the dispatcher's working set (`benchmarks/bench_dispatch.py`): fewer operations, the same
+arithmetic. Every operation is the one transformers' layer performs, element for element, so the logits are
+bit-identical (tests check it on every supported architecture and the default model).
 
 A call the lean forward does not handle (gradients, a dtype other than fp32, a layer in training mode, attention
 weights asked for) runs the layer's own forward. Layers of other architectures, layers whose products are not

@@ -250,7 +250,7 @@ def _linear(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
     module docstring)."""
     parts = linear_parts(x, packed)
     if parts is not None:
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return _joined(parts)
     rows = x.numel() // x.shape[-1]
     if rows <= packed.streamed_rows:
         return streamed_product(x, packed)
@@ -260,9 +260,9 @@ def _linear(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
 def linear_parts(x: torch.Tensor, packed: _PackedWeights) -> list[torch.Tensor] | None:
     """Each source linear's product of x [..., K] on its own, in the order `packed` stacks them, when `_linear`
     computes them one by one — PyTorch's default matmul or oneDNN on the layers' own weights — so that a caller who
-    splits the stacked output again can skip `_linear`'s concatenation (a 660-token prefill of the default model:
-    ~40 ms of `torch.cat`); None when `_linear` computes one stacked product (the streamed kernel, the packed
-    weight)."""
+    splits the stacked output again can skip `_linear`'s concatenation (the default model's prefills: 0–4% shorter
+    without it, docs/step-cost.md); None when `_linear` computes one stacked product (the streamed kernel, the
+    packed weight)."""
     rows = x.numel() // x.shape[-1]
     if rows <= packed.default_rows:
         return _each(x, packed, F.linear)
@@ -307,7 +307,11 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def _side_by_side(x: torch.Tensor, packed: _PackedWeights, product) -> torch.Tensor:
     """`product(x, weight, bias)` of each source linear of `packed`, outputs concatenated along the last dimension
     in the order the packed weight stacks them."""
-    outputs = _each(x, packed, product)
+    return _joined(_each(x, packed, product))
+
+
+def _joined(outputs: list[torch.Tensor]) -> torch.Tensor:
+    """The outputs of the source linears side by side along the last dimension (one alone as it is)."""
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 

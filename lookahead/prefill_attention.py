@@ -31,6 +31,7 @@ from numba.extending import intrinsic
 
 from . import streamed_gemm
 from .compiled_ir import call_codegen, compiled_addresses, host_features
+from .fused_kernels import EXP_FLOOR, EXP_LN2, EXP_POLYNOMIAL, LOG2E
 
 LANES = 16  # floats per AVX-512 vector
 ROWS = 4  # query rows of one tile
@@ -38,9 +39,6 @@ BLOCK = 32  # keys a tile scores at once (a multiple of LANES)
 SCORE_CHAINS = 4  # independent multiply-add chains of a row's scores over the block's vectors of keys
 UNROLL = 4  # steps of the head (keys of the block) a turn of the scores' (values') loop
 VEC = f"<{LANES} x float>"
-_EXP = {"clamp": -87.0, "log2e": 1.44269504088896341, "ln2_hi": 0.693359375, "ln2_lo": -2.12194440e-4,
-        "poly": (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
-                 5.0000001201e-1)}
 
 
 @functools.cache
@@ -327,9 +325,10 @@ def _float(value: float) -> str:
 
 def _exp_ir() -> str:
     """IR of `vexp(x)`: e^x for x ≤ 0 (x clamped at −87): x = n·ln 2 + t with n = rint(x·log2 e), e^t by a degree-7
-    polynomial (Cephes' expf), then · 2^n built in the exponent bits."""
-    c = {name: _splat_const(_float(value)) for name, value in _EXP.items() if name != "poly"}
-    poly = [_splat_const(_float(value)) for value in _EXP["poly"]]
+    polynomial (Cephes' expf, the constants `fused_kernels` uses), then · 2^n built in the exponent bits."""
+    c = {name: _splat_const(_float(value)) for name, value in
+         (("clamp", EXP_FLOOR), ("log2e", LOG2E), ("ln2_hi", EXP_LN2[0]), ("ln2_lo", EXP_LN2[1]))}
+    poly = [_splat_const(_float(value)) for value in EXP_POLYNOMIAL]
     fma = f"@llvm.fma.v{LANES}f32"
     lines = [f"define internal {VEC} @vexp({VEC} %in) alwaysinline {{",
              f"  %x = call {VEC} @llvm.maxnum.v{LANES}f32({VEC} %in, {VEC} {c['clamp']})",

@@ -200,8 +200,7 @@ def _children(table, scores, pkeys, pnext, pscores, pseeded, noise, inv_temp, pr
 
 @numba.njit(cache=True)
 def _grow(table, scores, pkeys, pnext, pscores, pseeded, noise, inv_temp, prev, root, value, max_nodes, max_depth,
-          paths,
-          depth, rank, parent, score, f_parent, f_token, f_rank, f_score, out_tokens, out_classes, row_tokens,
+          paths, depth, rank, parent, score, f_parent, f_token, f_rank, f_score, out_tokens, out_classes, row_tokens,
           row_scores, places, place_keys):
     """Best-first growth of a draft tree from `root` (after the token `prev`, -1: unknown) over `table` and the
     pair table (`_children`: a node's children are those of its pair row, with its parent's token, and of its
@@ -403,8 +402,7 @@ class _Grower:
              noise: np.ndarray, inv_temp: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Run `_grow` on `table` [vocab, k], its `scores` and its pair rows `pairs` (keys, next, scores, seeded) from
         `root` after `prev`; value: [D, 3C] float64 (the classes of token rows, verified pair rows, seeded pair
-        rows); noise: [Dn] uint64 keys
-        (`NO_NOISE`: rank by column). Returns copies (paths, depth, rank)."""
+        rows); noise: [Dn] uint64 keys (`NO_NOISE`: rank by column). Returns copies (paths, depth, rank)."""
         n = _grow(table, scores, *pairs, noise, float(inv_temp), int(prev), root,
                   np.ascontiguousarray(value, dtype=np.float64), self.max_nodes, self.max_depth, self.paths,
                   self.depth, self.rank, self.parent, self.score, self.f_parent, self.f_token, self.f_rank,
@@ -418,11 +416,12 @@ class RecycleDrafter:
 
     table: the shared table (None: a private one); vocab_size, k: its shape; max_nodes: nodes per draft;
     max_depth: longest path; prior: a `recycle_prior.RecyclePrior` seeding the table's empty rows (None: none);
-    pairs: keep and consult rows per token pair (`recycle_pairs.py`) besides the rows per token.
+    pairs: keep and consult rows per token pair (`recycle_pairs.py`) besides the rows per token (off by default,
+    as `LookaheadConfig.recycle_pairs`).
     """
 
     def __init__(self, table: RecycleTable | None, vocab_size: int, k: int, max_nodes: int, max_depth: int,
-                 prior: "RecyclePrior | None" = None, pairs: bool = True):
+                 prior: "RecyclePrior | None" = None, pairs: bool = False):
         self.table = table if table is not None else RecycleTable(k, PAIR_SLOTS if pairs else 0)
         self.table.ensure(vocab_size, k)
         if prior is not None:

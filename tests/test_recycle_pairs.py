@@ -46,8 +46,8 @@ def test_pair_keys_and_seeding_fill_only_pairs_not_stored():
     assert nxt[find_pair(keys, 34)].tolist() == [5, 6, -1] and scores[find_pair(keys, 34)].tolist() == [3, 1, 0]
 
 
-def _drafter(table, **kwargs):
-    return RecycleDrafter(table, 16, 3, 8, 3, **kwargs)
+def _drafter(table, pairs=True):
+    return RecycleDrafter(table, 16, 3, 8, 3, pairs=pairs)
 
 
 def _first_tokens(drafter, root, prev):
