@@ -19,7 +19,7 @@ from .paths import cache_dir
 
 CURVE_QUANTILE = 0.25  # a low quantile of repeated timings: machine noise only ever adds time
 # bump when the measurement, the arithmetic or the kernels change: older cached curves are not reused
-CURVE_VERSION = 11
+CURVE_VERSION = 12
 
 
 def curve_key(model, batch: int = 1) -> str:

@@ -24,17 +24,12 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from .attention_kernel import call_dots, call_weighted
+from .decode_attention import call_attend_queries, scratch_floats
 from .streamed_gemm import _launch
+from .vector_exp import EXP_FLOOR, EXP_LN2, EXP_POLYNOMIAL, LOG2E  # noqa: F401 — `_exp_below`'s formula
 
 _REDUCE = {"reassoc", "nsz", "contract"}  # reductions: vectorised sums (their own order, deterministic)
 HIDDEN = np.float32(-1e30)  # a mask value at or below this hides its slot (masks use float32's lowest, -3.4e38)
-# Cephes' expf, which `_exp_below` and `prefill_attention`'s compiled exp both use: x = n·ln 2 + r with ln 2 split
-# in a high and a low part, then e^r ≈ 1 + r + r²·p(r), p's coefficients highest degree first.
-LOG2E = np.float32(1.4426950408889634)
-EXP_FLOOR = np.float32(-87.0)  # exp of anything below is taken as 0 (true value < 1.7e-38)
-EXP_LN2 = (np.float32(0.693359375), np.float32(-2.12194440e-4))
-EXP_POLYNOMIAL = (np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3),
-                  np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1))
 
 
 @numba.njit(nogil=True, cache=True)
@@ -199,7 +194,10 @@ def attend_after(queries, keys, values, lead, length, mask, scale, threads, kern
     batch entry's padding, `hidden_lead`), are not read, so an entry computes what it computes without them, bit
     for bit (its sums start at its first real slot). The (row, query head) tasks run key head by key head, so a
     thread reads one head's keys and values from its core's cache for all the rows and query heads that share
-    them."""
+    them. kernels with one address: `decode_attention`'s kernel (`attend_grouped`)."""
+    if kernels.shape[0] == 1:
+        attend_grouped(queries, keys, values, lead, length, mask, scale, threads, kernels[0], out)
+        return
     rows, query_heads, head_dim = queries.shape
     group = query_heads // keys.shape[0]
     tasks = rows * query_heads
@@ -231,6 +229,39 @@ def attend_after(queries, keys, values, lead, length, mask, scale, threads, kern
                 _weighted_values(row, seen_values, count, out[t, head])
             for i in range(head_dim):
                 out[t, head, i] *= inverse
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def attend_grouped(queries, keys, values, lead, length, mask, scale, threads, function,
+                   out):  # pragma: no cover - compiled
+    """`attend_after` on `decode_attention`'s kernel (at address `function`): the (row, query head) tasks, key head
+    by key head, split into `threads` contiguous shares; each share calls the kernel once per key head it touches,
+    with that head's queries, their mask rows and outputs."""
+    rows, query_heads, head_dim = queries.shape
+    group = query_heads // keys.shape[0]
+    per_head = rows * group
+    tasks = keys.shape[0] * per_head
+    parts = max(1, min(threads, tasks))
+    count = length - lead
+    for part in numba.prange(parts):
+        first, end = part * tasks // parts, (part + 1) * tasks // parts
+        scratch = np.empty(scratch_floats(min(per_head, end - first), count), np.float32)
+        pointers = np.zeros((3, per_head), np.int64)
+        task = first
+        while task < end:
+            kv = task // per_head
+            stop = min(end, (kv + 1) * per_head)
+            for i in range(stop - task):
+                member = task + i - kv * per_head
+                t, head = member // group, kv * group + member % group
+                pointers[0, i] = queries[t, head].ctypes.data
+                if mask.shape[0]:
+                    pointers[1, i] = mask[t, lead:].ctypes.data
+                pointers[2, i] = out[t, head].ctypes.data
+            call_attend_queries(function, pointers[0].ctypes.data, pointers[1].ctypes.data, pointers[2].ctypes.data,
+                                stop - task, keys[kv][lead:].ctypes.data, values[kv][lead:].ctypes.data, count,
+                                scratch.ctypes.data, scale)
+            task = stop
 
 
 @numba.njit(nogil=True, cache=True)

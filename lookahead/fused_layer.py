@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import attention_kernel, streamed_gemm
+from . import attention_kernel, decode_attention, streamed_gemm
 from .cache_layer import SlabLayer
 from .fused_kernels import attention_inputs, decoder_layer, entry_leads, layer_output
 from .packed_linear import FusedMember, PackedLinear
@@ -43,6 +43,18 @@ _KINDS = ("float32", "affine4", "affine4h", "scaled8")
 # SDPA from 4096 row-slots on: 8 rows × 808 slots 50.8 vs 60.0 ms, 16 × 816 97.0 vs 100.5, 4 × 1504 39.9 vs 52.4,
 # 8 × 3008 90.6 vs 112.5, 16 × 3016 159.4 vs 169.9.
 COMPILED_ATTENTION_MAX = 4096
+GROUPED = True  # decode_attention's kernel where it runs (False: attention_kernel's loops, for comparisons)
+
+
+def attention_loops(head_dim: int) -> np.ndarray:
+    """The fused attention's compiled code for heads of `head_dim` floats (`fused_kernels.attend_after`'s
+    `kernels`): `decode_attention`'s kernel where it runs (AVX-512, heads of whole 16-float vectors) and GROUPED is
+    on, else `attention_kernel`'s two loops (heads of whole 8-float vectors), else none (numba's loops)."""
+    if GROUPED and decode_attention.supports(head_dim) and decode_attention.available():
+        return np.array([decode_attention.address(head_dim)], np.int64)
+    if attention_kernel.supports(head_dim):
+        return np.array(attention_kernel.attention_addresses(head_dim), np.int64)
+    return _NUMBA_ATTENTION
 
 
 class FusedLayer:
@@ -60,8 +72,7 @@ class FusedLayer:
         self.scaling = attn.scaling  # SDPA's scale as the layer's own attention passes it
         self.shape = (query_heads, key_heads, head_dim, intermediate)
         self.transpose = streamed_gemm._kernel_address("float32")[1]
-        self.attention_loops = (np.array(attention_kernel.attention_addresses(head_dim), np.int64)
-                                if attention_kernel.supports(head_dim) else _NUMBA_ATTENTION)
+        self.attention_loops = attention_loops(head_dim)
         self._weights: tuple | None = None  # the StreamedWeights the arrays below were built from
         self._slab_views: tuple | None = None  # (key slab, value slab, their numpy views)
         self._arrays: tuple | None = None

@@ -31,14 +31,12 @@ from numba.extending import intrinsic
 
 from . import streamed_gemm
 from .compiled_ir import call_codegen, compiled_addresses, host_features
-from .fused_kernels import EXP_FLOOR, EXP_LN2, EXP_POLYNOMIAL, LOG2E
+from .vector_exp import LANES, NEGATIVE_INFINITY, VEC, splat, splat_const, vector_declarations
 
-LANES = 16  # floats per AVX-512 vector
 ROWS = 4  # query rows of one tile
 BLOCK = 32  # keys a tile scores at once (a multiple of LANES)
 SCORE_CHAINS = 4  # independent multiply-add chains of a row's scores over the block's vectors of keys
 UNROLL = 4  # steps of the head (keys of the block) a turn of the scores' (values') loop
-VEC = f"<{LANES} x float>"
 
 
 @functools.cache
@@ -132,12 +130,8 @@ def module_ir(size: int) -> str:
     last + r of `keys_t` [size, padded] and `values` [padded, size]; row r's output is stored at out + r ·
     out_stride floats."""
     vectors = size // LANES
-    lines = [f"declare {VEC} @llvm.fma.v{LANES}f32({VEC}, {VEC}, {VEC})",
-             f"declare {VEC} @llvm.maxnum.v{LANES}f32({VEC}, {VEC})",
-             f"declare {VEC} @llvm.rint.v{LANES}f32({VEC})",
-             f"declare float @llvm.vector.reduce.fmax.v{LANES}f32({VEC})",
-             f"declare float @llvm.vector.reduce.fadd.v{LANES}f32(float, {VEC})",
-             "declare float @llvm.maxnum.f32(float, float)", _exp_ir(),
+    lines = vector_declarations() + [
+             "declare float @llvm.maxnum.f32(float, float)",
              "define void @attend_tile(i64 %qa, i64 %kta, i64 %va, i64 %outa, i64 %valid, i64 %last, i64 %padded, "
              "i64 %ostride, float %scale) {", "entry:"]
     lines += _entry(size)
@@ -145,12 +139,6 @@ def module_ir(size: int) -> str:
     lines += _finish(vectors)
     lines += ['!0 = distinct !{!0, !1}', '!1 = !{!"llvm.loop.unroll.disable"}']
     return "\n".join(lines)
-
-
-def _splat(name: str, scalar: str) -> list[str]:
-    """IR: %{name} = a vector of 16 copies of the float `scalar`."""
-    return [f"  %{name}_h = insertelement {VEC} poison, float {scalar}, i32 0",
-            f"  %{name} = shufflevector {VEC} %{name}_h, {VEC} poison, <{LANES} x i32> zeroinitializer"]
 
 
 def _entry(size: int) -> list[str]:
@@ -164,7 +152,7 @@ def _entry(size: int) -> list[str]:
                 f"  %qo{r} = mul i64 %rr{r}, {size}", f"  %q{r} = getelementptr float, ptr %q, i64 %qo{r}",
                 f"  %last{r} = add i64 %last, %rr{r}"]
     out += [f"  %blocks_m = udiv i64 %last{ROWS - 1}, {BLOCK}", "  %blocks = add i64 %blocks_m, 1"]
-    out += _splat("scalev", "%scale")
+    out += splat("scalev", "%scale")
     for u in range(BLOCK // LANES):
         lanes = ", ".join(f"i64 {u * LANES + i}" for i in range(LANES))
         out.append(f"  %lanes{u} = add <{LANES} x i64> <{lanes}>, zeroinitializer")
@@ -176,7 +164,7 @@ def _block(size: int, vectors: int) -> list[str]:
     the loop over the block's keys adding the weighted values."""
     out = ["block:", "  %b = phi i64 [0, %entry], [%b_next, %latch]"]
     for r in range(ROWS):
-        out += [f"  %m{r} = phi float [0xFFF0000000000000, %entry], [%mn{r}, %latch]",
+        out += [f"  %m{r} = phi float [{NEGATIVE_INFINITY}, %entry], [%mn{r}, %latch]",
                 f"  %l{r} = phi float [0.0, %entry], [%ln{r}, %latch]"]
         out += [f"  %a{r}_{v} = phi {VEC} [zeroinitializer, %entry], [%an{r}_{v}, %latch]" for v in range(vectors)]
     out += [f"  %key0 = mul i64 %b, {BLOCK}", "  br label %scores"]
@@ -210,7 +198,7 @@ def _scores(size: int) -> list[str]:
         for r in range(ROWS):
             out += [f"  %qp{r}_{i} = getelementptr float, ptr %q{r}, i64 %dd{i}",
                     f"  %qs{r}_{i} = load float, ptr %qp{r}_{i}, align 4"]
-            out += _splat(f"qv{r}_{i}", f"%qs{r}_{i}")
+            out += splat(f"qv{r}_{i}", f"%qs{r}_{i}")
             for u in range(units):
                 last = i + chains >= UNROLL
                 name = f"%cn{r}_{u}_{c}" if last else f"%ci{r}_{u}_{i}"
@@ -242,13 +230,13 @@ def _softmax_row(r: int, vectors: int) -> list[str]:
     for u in range(units):
         out += [f"  %see{r}_{u} = icmp sle <{LANES} x i64> %lanes{u}, %kbv{r}",
                 f"  %sm{r}_{u} = select <{LANES} x i1> %see{r}_{u}, {VEC} %s{r}_{u}, {VEC} "
-                f"{_splat_const('0xFFF0000000000000')}"]
+                f"{splat_const(NEGATIVE_INFINITY)}"]
         if top is not None:
             out.append(f"  %smx{r}_{u} = call {VEC} @llvm.maxnum.v{LANES}f32({VEC} {top}, {VEC} %sm{r}_{u})")
         top = f"%sm{r}_{u}" if top is None else f"%smx{r}_{u}"
     out += [f"  %bm{r} = call nnan float @llvm.vector.reduce.fmax.v{LANES}f32({VEC} {top})",
             f"  %mn{r} = call float @llvm.maxnum.f32(float %m{r}, float %bm{r})"]
-    out += _splat(f"mnv{r}", f"%mn{r}")
+    out += splat(f"mnv{r}", f"%mn{r}")
     total = None
     for u in range(units):
         out += [f"  %x{r}_{u} = fsub {VEC} %s{r}_{u}, %mnv{r}", f"  %e{r}_{u} = call {VEC} @vexp({VEC} %x{r}_{u})",
@@ -259,7 +247,7 @@ def _softmax_row(r: int, vectors: int) -> list[str]:
             out.append(f"  %pt{r}_{u} = fadd {VEC} {total}, %p{r}_{u}")
         total = f"%p{r}_{u}" if total is None else f"%pt{r}_{u}"
     out.append(f"  %dm{r} = fsub float %m{r}, %mn{r}")
-    out += _splat(f"dmv{r}", f"%dm{r}")
+    out += splat(f"dmv{r}", f"%dm{r}")
     out += [f"  %cv{r} = call {VEC} @vexp({VEC} %dmv{r})", f"  %cs{r} = extractelement {VEC} %cv{r}, i32 0",
             f"  %ps{r} = call reassoc float @llvm.vector.reduce.fadd.v{LANES}f32(float -0.0, {VEC} {total})",
             f"  %lc{r} = fmul float %l{r}, %cs{r}", f"  %ln{r} = fadd float %lc{r}, %ps{r}"]
@@ -284,7 +272,7 @@ def _weighted_values(size: int, vectors: int) -> list[str]:
             out += [f"  %px{r}_{i} = add i64 %jj{i}, {r * BLOCK}",
                     f"  %pp{r}_{i} = getelementptr float, ptr %weights, i64 %px{r}_{i}",
                     f"  %pw{r}_{i} = load float, ptr %pp{r}_{i}, align 4"]
-            out += _splat(f"pv{r}_{i}", f"%pw{r}_{i}")
+            out += splat(f"pv{r}_{i}", f"%pw{r}_{i}")
             for v in range(vectors):
                 name = f"%an{r}_{v}" if i == UNROLL - 1 else f"%wi{r}_{v}_{i}"
                 out.append(f"  {name} = call {VEC} @llvm.fma.v{LANES}f32({VEC} %pv{r}_{i}, {VEC} %vv{i}_{v}, "
@@ -298,7 +286,7 @@ def _finish(vectors: int) -> list[str]:
     """The exit: each valid row's accumulators divided by its running sum, stored at its output row."""
     out = ["done:"]
     for r in range(ROWS):
-        out += _splat(f"lv{r}", f"%ln{r}")
+        out += splat(f"lv{r}", f"%ln{r}")
         out += [f"  %st{r} = icmp slt i64 {r}, %valid", f"  br i1 %st{r}, label %store{r}, label %next{r}",
                 f"store{r}:", f"  %oo{r} = mul i64 %ostride, {r}",
                 f"  %op{r} = getelementptr float, ptr %o, i64 %oo{r}"]
@@ -308,42 +296,3 @@ def _finish(vectors: int) -> list[str]:
                     f"  store {VEC} %ov{r}_{v}, ptr %opp{r}_{v}, align 4"]
         out += [f"  br label %next{r}", f"next{r}:"]
     return out + ["  ret void", "}"]
-
-
-def _splat_const(value: str) -> str:
-    """An IR constant vector of 16 floats, each `value` (an IR float literal)."""
-    return "<" + ", ".join([f"float {value}"] * LANES) + ">"
-
-
-def _float(value: float) -> str:
-    """`value` as an IR float literal (the double of the float32 nearest it, in hex, as LLVM requires)."""
-    import struct
-
-    single = struct.unpack("<f", struct.pack("<f", value))[0]
-    return "0x" + struct.pack(">d", single).hex().upper()
-
-
-def _exp_ir() -> str:
-    """IR of `vexp(x)`: e^x for x ≤ 0 (x clamped at −87): x = n·ln 2 + t with n = rint(x·log2 e), e^t by a degree-7
-    polynomial (Cephes' expf, the constants `fused_kernels` uses), then · 2^n built in the exponent bits."""
-    c = {name: _splat_const(_float(value)) for name, value in
-         (("clamp", EXP_FLOOR), ("log2e", LOG2E), ("ln2_hi", EXP_LN2[0]), ("ln2_lo", EXP_LN2[1]))}
-    poly = [_splat_const(_float(value)) for value in EXP_POLYNOMIAL]
-    fma = f"@llvm.fma.v{LANES}f32"
-    lines = [f"define internal {VEC} @vexp({VEC} %in) alwaysinline {{",
-             f"  %x = call {VEC} @llvm.maxnum.v{LANES}f32({VEC} %in, {VEC} {c['clamp']})",
-             f"  %xl = fmul {VEC} %x, {c['log2e']}", f"  %n = call {VEC} @llvm.rint.v{LANES}f32({VEC} %xl)",
-             f"  %nh = fneg {VEC} %n",
-             f"  %t1 = call {VEC} {fma}({VEC} %nh, {VEC} {c['ln2_hi']}, {VEC} %x)",
-             f"  %t = call {VEC} {fma}({VEC} %nh, {VEC} {c['ln2_lo']}, {VEC} %t1)"]
-    previous = poly[0]
-    for i, coefficient in enumerate(poly[1:]):
-        lines.append(f"  %p{i} = call {VEC} {fma}({VEC} {previous}, {VEC} %t, {VEC} {coefficient})")
-        previous = f"%p{i}"
-    one = _splat_const(_float(1.0))
-    lines += [f"  %tt = fmul {VEC} %t, %t", f"  %y1 = call {VEC} {fma}({VEC} {previous}, {VEC} %tt, {VEC} %t)",
-              f"  %y = fadd {VEC} %y1, {one}", f"  %ni = fptosi {VEC} %n to <{LANES} x i32>",
-              f"  %bi = add <{LANES} x i32> %ni, <{', '.join(['i32 127'] * LANES)}>",
-              f"  %bs = shl <{LANES} x i32> %bi, <{', '.join(['i32 23'] * LANES)}>",
-              f"  %pow = bitcast <{LANES} x i32> %bs to {VEC}", f"  %r = fmul {VEC} %y, %pow", f"  ret {VEC} %r", "}"]
-    return "\n".join(lines)

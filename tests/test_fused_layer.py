@@ -9,8 +9,8 @@ import pytest
 import torch
 from tiny_models import FUSED_ARCHITECTURES, fused_test_model, repetitive_prompt, three_steps
 
-from lookahead import (Lookahead, LookaheadConfig, attention_kernel, fused_kernels, fused_layer, fused_stack, hf,
-                       streamed_gemm)
+from lookahead import (Lookahead, LookaheadConfig, attention_kernel, decode_attention, fused_kernels, fused_layer,
+                       fused_stack, hf, streamed_gemm)
 from lookahead.attention import tree_attention
 from lookahead.lean_layers import lean_layers
 from lookahead.packed_linear import packed_linears
@@ -112,11 +112,16 @@ def _reference(queries, keys, values, mask, length):
 
 
 def _loops(kind: str) -> np.ndarray:
-    """`attend`'s `kernels` argument: the compiled loops for heads of 16 floats, or none (numba's)."""
+    """`attend`'s `kernels` argument for heads of 16 floats: `attention_kernel`'s compiled loops, `decode_attention`'s
+    kernel (skips the test where it does not run), or none (numba's loops)."""
+    if kind == "grouped":
+        if not decode_attention.available():
+            pytest.skip("decode_attention's kernel needs AVX-512")
+        return np.array([decode_attention.address(16)], np.int64)
     return np.array(attention_kernel.attention_addresses(16), np.int64) if kind == "compiled" else np.empty(0, np.int64)
 
 
-@pytest.mark.parametrize("loops", ["compiled", "numba"])
+@pytest.mark.parametrize("loops", ["grouped", "compiled", "numba"])
 @pytest.mark.parametrize("rows,cached", [(1, 0), (1, 37), (5, 40), (13, 3)])
 def test_attention_matches_float64_and_masked_keys_weigh_exactly_nothing(rows, cached, loops):
     queries, keys, values, mask = _attention_inputs(rows, cached)
@@ -137,7 +142,7 @@ def test_attention_matches_float64_and_masked_keys_weigh_exactly_nothing(rows, c
         assert np.array_equal(again[row], out[row])
 
 
-@pytest.mark.parametrize("loops", ["compiled", "numba"])
+@pytest.mark.parametrize("loops", ["grouped", "compiled", "numba"])
 @pytest.mark.parametrize("rows,cached,padding", [(1, 30, 11), (4, 25, 7), (3, 12, 1)])
 def test_a_padded_entry_attends_as_it_does_without_its_padding(rows, cached, padding, loops):
     """Slots every row's mask hides at the front (a left-padded batch entry's padding) are skipped: the output is,
@@ -174,7 +179,7 @@ def test_the_hidden_lead_is_what_every_row_hides_at_the_front():
     assert fused_kernels.hidden_lead(np.empty((0, 0), np.float32), 0, 1) == 0  # the "none" mask
 
 
-@pytest.mark.parametrize("loops", ["compiled", "numba"])
+@pytest.mark.parametrize("loops", ["grouped", "compiled", "numba"])
 def test_attention_without_a_mask_sees_every_slot(loops):
     queries, keys, values, _ = _attention_inputs(1, 20, seed=3)
     out = np.empty((1, 6, 16), np.float32)
@@ -184,10 +189,14 @@ def test_attention_without_a_mask_sees_every_slot(loops):
                                _reference(queries, keys, values, torch.zeros(1, 21), 21), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama-odd-width"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama-odd-width", "llama-heads16", "qwen2-heads16"])
 @pytest.mark.parametrize("config", [LookaheadConfig(), LookaheadConfig.off()], ids=["speculate", "off"])
-def test_greedy_through_fused_layers_is_plain_greedy(name, config, monkeypatch):
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-attention", "attention-loops"])
+def test_greedy_through_fused_layers_is_plain_greedy(name, config, grouped, monkeypatch):
+    monkeypatch.setattr(fused_layer, "GROUPED", grouped)
     monkeypatch.setattr(hf, "row_kernels_for", lambda model, refresh=False, quiet=False: RowKernels(0, 64))
+    chosen, real = [], fused_layer.attention_loops
+    monkeypatch.setattr(fused_layer, "attention_loops", lambda head_dim: chosen.append(real(head_dim)) or chosen[-1])
     model = _model(name)
     calls = _Calls(monkeypatch)
     for seed in range(3):
@@ -196,6 +205,10 @@ def test_greedy_through_fused_layers_is_plain_greedy(name, config, monkeypatch):
         fast = model.generate(prompt, do_sample=False, max_new_tokens=40, custom_generate=Lookahead(config))
         assert torch.equal(plain, fast)
     assert calls.count > 0  # every step after the prefill ran the fused layers
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    kernel = grouped and decode_attention.supports(head_dim) and decode_attention.available()
+    expected = 1 if kernel else 2  # the kernel's address, or the two loops'
+    assert chosen and {len(loops) for loops in chosen} == {expected}
 
 
 def test_numpy_views_made_once_per_forward_see_in_place_changes_and_copy_what_is_not_contiguous():

@@ -55,6 +55,8 @@ FUSED_ARCHITECTURES = {
     "qwen2": {},  # q/k/v with bias
     "llama-odd-width": {"intermediate_size": 100},  # gate/up padded to whole panels
     "llama-wide-heads": {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64},
+    "llama-heads16": {"hidden_size": 64},  # heads of 16 floats: `decode_attention`'s kernel on AVX-512
+    "qwen2-heads16": {"hidden_size": 64},
 }
 
 
