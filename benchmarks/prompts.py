@@ -12,11 +12,16 @@ Each suite category draws from one prompt file and one or more source categories
 | math_reasoning | spec_bench.jsonl   | math_reasoning                                     | yes           |
 | qa             | spec_bench.jsonl   | qa                                                 | yes           |
 | chat           | spec_bench.jsonl   | the 8 MT-Bench categories (writing, roleplay, ...) | yes           |
+| long_code      | humaneval.jsonl    | code: a file of LONG_CONTEXT finished functions, then one to complete | no |
 
 HumanEval prompts are code to be continued, so they are encoded as plain text; Spec-Bench prompts are
 instructions and go through the model's chat template. MT-Bench items have two turns; only the first is used
 (the second needs the model's own first answer). Selection is deterministic: the first prompts of the file,
 taken round-robin over the source categories (so 4 `chat` prompts are writing, roleplay, reasoning, math).
+
+`long_code` is what a code-completion tool sends from a long file: HumanEval items taken LONG_CONTEXT + 1 at a time,
+the first LONG_CONTEXT written out whole (prompt and reference body, text unchanged, one after the other) and the
+last one's prompt to complete (~1300–2000 tokens with the default model's tokenizer). Not in the default suite.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parents[1] / "data" / "prompts"
+LONG_CONTEXT = 8  # finished functions before each long_code prompt
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
 
@@ -38,6 +44,7 @@ class CategorySpec:
     file: str
     sources: tuple[str, ...]
     chat: bool
+    context: int = 0  # finished items written before each prompt (a long file), or 0: the item alone
 
 
 CATEGORIES = {
@@ -48,6 +55,7 @@ CATEGORIES = {
     "math_reasoning": CategorySpec("spec_bench.jsonl", ("math_reasoning",), chat=True),
     "qa": CategorySpec("spec_bench.jsonl", ("qa",), chat=True),
     "chat": CategorySpec("spec_bench.jsonl", MT_BENCH, chat=True),
+    "long_code": CategorySpec("humaneval.jsonl", ("code",), chat=False, context=LONG_CONTEXT),
 }
 DEFAULT_CATEGORIES = ("code", "summarization", "rag", "translation", "math_reasoning", "chat")
 
@@ -96,7 +104,18 @@ def _category_prompts(name: str, prompts_dir: str | Path) -> list[Prompt]:
     spec = CATEGORIES[name]
     by_source = _read_by_source(Path(prompts_dir) / spec.file, spec.sources)
     items = _round_robin([by_source[source] for source in spec.sources], sum(map(len, by_source.values())))
+    if spec.context:
+        return [_long_prompt(name, items[start:start + spec.context + 1])
+                for start in range(0, len(items) - spec.context, spec.context + 1)]
     return [Prompt(id=item["id"], category=name, text=item["turns"][0], chat=spec.chat) for item in items]
+
+
+def _long_prompt(name: str, items: list[dict]) -> Prompt:
+    """A long-file prompt: every item but the last written out whole (prompt, then its reference body), then the
+    last item's prompt; its id is the last item's with the first item's after a "+"."""
+    finished = "".join(item["turns"][0] + item["reference"] + "\n\n" for item in items[:-1])
+    return Prompt(id=f"{items[-1]['id']}+{items[0]['id']}", category=name, text=finished + items[-1]["turns"][0],
+                  chat=False)
 
 
 def encode(tokenizer, prompt: Prompt) -> torch.Tensor:

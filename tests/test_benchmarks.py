@@ -144,6 +144,23 @@ def test_load_prompts_round_robin_and_errors(tmp_path):
     assert sorted(index) == ["s/0", "s/1", "s/2", "s/3", "s/4"] and index["s/3"].category == "rag"
 
 
+def test_long_code_prompts_are_files_of_finished_functions_then_one_to_complete(tmp_path, monkeypatch):
+    import prompts
+
+    monkeypatch.setattr(prompts, "CATEGORIES", {**prompts.CATEGORIES, "long_code": prompts.CategorySpec(
+        "humaneval.jsonl", ("code",), chat=False, context=2)})
+    items = [{"id": f"H/{i}", "category": "code", "turns": [f"def f{i}():\n"], "reference": f"    return {i}\n"}
+             for i in range(7)]
+    (tmp_path / "humaneval.jsonl").write_text("\n".join(json.dumps(item) for item in items) + "\n")
+    long = load_prompts(["long_code"], 2, tmp_path)
+    assert [p.id for p in long] == ["H/2+H/0", "H/5+H/3"] and not any(p.chat for p in long)
+    assert long[0].text == "def f0():\n    return 0\n\n\ndef f1():\n    return 1\n\n\ndef f2():\n"
+    with pytest.raises(ValueError, match="only 2 prompts"):  # 7 items make two files of three; the last is short
+        load_prompts(["long_code"], 3, tmp_path)
+    real = load_prompts(["long_code"], 1)[0]  # the vendored HumanEval: 8 finished functions, then the 9th
+    assert real.id == "HumanEval/8+HumanEval/0" and real.text.count("def ") >= 9
+
+
 @pytest.mark.parametrize(("pairs", "expected"), [
     (["window_levels=3"], {"window_levels": 3}),
     (["pool_from_text=false", "tree_budget = 32"], {"pool_from_text": False, "tree_budget": 32}),
