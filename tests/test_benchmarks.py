@@ -157,6 +157,7 @@ def test_long_code_prompts_are_files_of_finished_functions_then_one_to_complete(
     assert long[0].text == "def f0():\n    return 0\n\n\ndef f1():\n    return 1\n\n\ndef f2():\n"
     with pytest.raises(ValueError, match="only 2 prompts"):  # 7 items make two files of three; the last is short
         load_prompts(["long_code"], 3, tmp_path)
+    monkeypatch.undo()
     real = load_prompts(["long_code"], 1)[0]  # the vendored HumanEval: 8 finished functions, then the 9th
     assert real.id == "HumanEval/8+HumanEval/0" and real.text.count("def ") >= 9
 
