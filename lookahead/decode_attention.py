@@ -25,6 +25,7 @@ attention (tested). Used on CPUs with AVX-512 for heads of a multiple of 16 floa
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import numba
@@ -84,8 +85,6 @@ def attend_queries(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, ma
     """Softmax attention of `queries` [n, D] over `keys`, `values` [count, D] (float32, C-contiguous), with the
     additive `mask` [n, count] (or None), in one call of the compiled kernel (a plain-Python entry for tests and
     the self-check; generation calls it from `fused_kernels`)."""
-    import ctypes
-
     n, size = queries.shape
     count = keys.shape[0]
     out = np.empty((n, size), np.float32)
@@ -121,9 +120,9 @@ def module_ir(head_dim: int) -> str:
     the `count` keys and values at `keys` / `values` ([count, D]); `scratch` holds `scratch_floats(n, count)`."""
     vectors = head_dim // LANES
     lines = vector_declarations() + [
-             f"declare {VEC} @llvm.masked.load.v{LANES}f32.p0(ptr, i32, {MASK}, {VEC})",
-             "define void @attend_queries(i64 %qa, i64 %ma, i64 %oa, i64 %n, i64 %ka, i64 %va, i64 %count, i64 %sa, "
-             "float %scale) {", "entry:"]
+        f"declare {VEC} @llvm.masked.load.v{LANES}f32.p0(ptr, i32, {MASK}, {VEC})",
+        "define void @attend_queries(i64 %qa, i64 %ma, i64 %oa, i64 %n, i64 %ka, i64 %va, i64 %count, i64 %sa, "
+        "float %scale) {", "entry:"]
     lines += _entry()
     lines += _block_scores(head_dim, vectors)
     lines += _tail_scores(head_dim, vectors)
@@ -243,7 +242,8 @@ def _softmax() -> list[str]:
            "mx:", "  %x = phi i64 [0, %sq], [%x_next, %mx]", f"  %top = phi {VEC} [{low}, %sq], [%top_next, %mx]",
            "  %xp = getelementptr float, ptr %sr, i64 %x", f"  %xs = load {VEC}, ptr %xp, align 4"]
     out += _valid("xin", "%x")
-    out += ["  %xmp = getelementptr float, ptr %smp, i64 %x", f"  %xload = select i1 %has_mask, {MASK} %xin, {MASK} zeroinitializer",
+    out += ["  %xmp = getelementptr float, ptr %smp, i64 %x",
+            f"  %xload = select i1 %has_mask, {MASK} %xin, {MASK} zeroinitializer",
             f"  %xm = call {VEC} @llvm.masked.load.v{LANES}f32.p0(ptr %xmp, i32 4, {MASK} %xload, {VEC} "
             "zeroinitializer)", f"  %xa = fadd {VEC} %xs, %xm", f"  store {VEC} %xa, ptr %xp, align 4",
             f"  %xv = select {MASK} %xin, {VEC} %xa, {VEC} {low}",
@@ -273,13 +273,15 @@ def _softmax() -> list[str]:
 def _weighted(head_dim: int, vectors: int, group: int) -> list[str]:
     """IR: the queries GROUP at a time (the last few in a pass of their own size), each pass a function of its
     own (`_weighted_pass`; inlined, LLVM merged the passes' loops into one that kept its pointers in memory)."""
-    out = ["wg_test:", "  %g = phi i64 [0, %sq_done]" + "".join(f", [%g_after{k}, %ws{k}]" for k in range(1, group + 1)),
+    sizes = range(1, group + 1)
+    out = ["wg_test:", "  %g = phi i64 [0, %sq_done]" + "".join(f", [%g_after{k}, %ws{k}]" for k in sizes),
            "  %g_left = sub i64 %n, %g", "  %g_done = icmp sle i64 %g_left, 0",
            "  br i1 %g_done, label %exit, label %wg_pick", "wg_pick:", f"  %g_big = icmp sge i64 %g_left, {group}",
            f"  %g_size = select i1 %g_big, i64 {group}, i64 %g_left",
-           "  switch i64 %g_size, label %exit [" + " ".join(f"i64 {k}, label %ws{k}" for k in range(1, group + 1)) + "]"]
+           "  switch i64 %g_size, label %exit [" + " ".join(f"i64 {k}, label %ws{k}" for k in sizes) + "]"]
     for k in range(1, group + 1):
-        out += [f"ws{k}:", f"  call void @pass{k}(i64 %g, i64 %padded, i64 %count, ptr %sc, ptr %v, ptr %invs, ptr %os)",
+        out += [f"ws{k}:",
+                f"  call void @pass{k}(i64 %g, i64 %padded, i64 %count, ptr %sc, ptr %v, ptr %invs, ptr %os)",
                 f"  %g_after{k} = add i64 %g, {k}", "  br label %wg_test"]
     out += ["exit:", "  ret void", "}"]
     for k in range(1, group + 1):
@@ -288,8 +290,8 @@ def _weighted(head_dim: int, vectors: int, group: int) -> list[str]:
 
 
 def _weighted_pass(k: int, head_dim: int, vectors: int) -> list[str]:
-    """IR: `pass{k}`, the weighted values of queries g … g + k − 1: one loop over the slots, the value vectors loaded
-    once for the k queries, each query's output one chain of multiply-adds per vector in slot order; then each
+    """IR: `pass{k}`, the weighted values of queries g … g + k − 1: one loop over the slots, the value vectors
+    loaded once for the k queries, each query's output one chain of multiply-adds per vector in slot order; then each
     output times its inverse sum, stored through its pointer."""
     out = [f"define internal void @pass{k}(i64 %g, i64 %padded, i64 %count, ptr %sc, ptr %v, ptr %invs, ptr %os) "
            "noinline {", "entry:"]
@@ -301,7 +303,8 @@ def _weighted_pass(k: int, head_dim: int, vectors: int) -> list[str]:
         out += [f"  %a{q}_{v} = phi {VEC} [zeroinitializer, %entry], [%n{q}_{v}, %loop]" for v in range(vectors)]
     out += [f"  %off = mul i64 %s, {head_dim}", "  %vp = getelementptr float, ptr %v, i64 %off"]
     for v in range(vectors):
-        out += [f"  %vp{v} = getelementptr float, ptr %vp, i64 {v * LANES}", f"  %v{v} = load {VEC}, ptr %vp{v}, align 4"]
+        out += [f"  %vp{v} = getelementptr float, ptr %vp, i64 {v * LANES}",
+                f"  %v{v} = load {VEC}, ptr %vp{v}, align 4"]
     for q in range(k):
         out += [f"  %wp{q} = getelementptr float, ptr %r{q}, i64 %s", f"  %w{q} = load float, ptr %wp{q}, align 4"]
         out += splat(f"b{q}", f"%w{q}")

@@ -12,8 +12,10 @@ PyTorch path in the last bits, as the streamed kernel's products differ from PyT
 The attention computes each (row, query head) on its own, over the keys its mask row lets it see, the masked
 keys weighing exactly 0: `exp` is Cephes' single-precision polynomial with the power of two built from its
 exponent bits (a loop the compiler vectorises; within 1.02 ulp of the exact value over [-87, 0], measured against
-float64), and exactly 0 below e⁻⁸⁷. The scores and the weighted sum of values run on `attention_kernel`'s compiled
-loops when the head size is a multiple of 8 floats (numba's `_scores` / `_weighted_values` otherwise).
+float64), and exactly 0 below e⁻⁸⁷. The whole attention of the queries sharing a key head runs in one call of
+`decode_attention`'s kernel on AVX-512 CPUs for heads of whole 16-float vectors (`attend_grouped`); otherwise the
+scores and the weighted sum of values run on `attention_kernel`'s compiled loops when the head size is a multiple
+of 8 floats (numba's `_scores` / `_weighted_values` otherwise).
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ It takes a call only when it computes exactly what the layer means: batch size 1
 of this row count on the streamed kernel with float32 or exact block-form panels (`affine_weights`), the layer's
 cache a `SlabLayer` already holding the prompt (the keys and values are written into its slab), and a verification
 mask (`[1, 1, T, cached + T]`, additive float) or a single row with none. Anything else (a prefill, a sliding
-window, attention extras, a bool mask) returns None and the lean forward runs. The attention's inner loops are
-`attention_kernel`'s compiled ones when the head size is a multiple of 8 floats; with numba's, a step of many rows
-over a long cache attends with PyTorch's SDPA between two compiled calls (`COMPILED_ATTENTION_MAX`).
+window, attention extras, a bool mask) returns None and the lean forward runs. The attention runs on
+`decode_attention`'s kernel on AVX-512 CPUs when the head size is a multiple of 16 floats, else on
+`attention_kernel`'s compiled loops when it is a multiple of 8 (`attention_loops`); with numba's loops, a step of
+many rows over a long cache attends with PyTorch's SDPA between two compiled calls (`COMPILED_ATTENTION_MAX`).
 """
 
 from __future__ import annotations

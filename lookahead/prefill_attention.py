@@ -131,9 +131,9 @@ def module_ir(size: int) -> str:
     out_stride floats."""
     vectors = size // LANES
     lines = vector_declarations() + [
-             "declare float @llvm.maxnum.f32(float, float)",
-             "define void @attend_tile(i64 %qa, i64 %kta, i64 %va, i64 %outa, i64 %valid, i64 %last, i64 %padded, "
-             "i64 %ostride, float %scale) {", "entry:"]
+        "declare float @llvm.maxnum.f32(float, float)",
+        "define void @attend_tile(i64 %qa, i64 %kta, i64 %va, i64 %outa, i64 %valid, i64 %last, i64 %padded, "
+        "i64 %ostride, float %scale) {", "entry:"]
     lines += _entry(size)
     lines += _block(size, vectors)
     lines += _finish(vectors)

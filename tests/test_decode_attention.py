@@ -85,8 +85,10 @@ def _scores(queries: np.ndarray, keys: np.ndarray, scale) -> np.ndarray:
     from lookahead.compiled_ir import compiled_address
 
     size = queries.shape[1]
-    ir = decode_attention.module_ir(size).replace(
-        "  br i1 %t_more, label %tq_start, label %soft", "  br i1 %t_more, label %tq_start, label %exit")
+    cut = ("  br i1 %t_more, label %tq_start, label %soft", "  br i1 %t_more, label %tq_start, label %exit")
+    full = decode_attention.module_ir(size)
+    assert cut[0] in full  # the scores' last branch, into the softmax
+    ir = full.replace(*cut)
     function = ctypes.CFUNCTYPE(None, *([ctypes.c_int64] * 8), ctypes.c_float)(
         compiled_address(ir, "attend_queries", f"test-decode-scores-{size}"))
     count = keys.shape[0]
