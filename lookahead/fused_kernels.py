@@ -13,9 +13,9 @@ The attention computes each (row, query head) on its own, over the keys its mask
 keys weighing exactly 0: `exp` is Cephes' single-precision polynomial with the power of two built from its
 exponent bits (a loop the compiler vectorises; within 1.02 ulp of the exact value over [-87, 0], measured against
 float64), and exactly 0 below e⁻⁸⁷. The whole attention of the queries sharing a key head runs in one call of
-`decode_attention`'s kernel on AVX-512 CPUs for heads of whole 16-float vectors (`attend_grouped`); otherwise the
-scores and the weighted sum of values run on `attention_kernel`'s compiled loops when the head size is a multiple
-of 8 floats (numba's `_scores` / `_weighted_values` otherwise).
+`decode_attention`'s kernel for heads of whole vectors of the CPU's width (16 floats with AVX-512, 8 with AVX2;
+`attend_grouped`); otherwise the scores and the weighted sum of values run on `attention_kernel`'s compiled loops
+when the head size is a multiple of 8 floats (numba's `_scores` / `_weighted_values` otherwise).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ of this row count on the streamed kernel with float32 or exact block-form panels
 cache a `SlabLayer` already holding the prompt (the keys and values are written into its slab), and a verification
 mask (`[1, 1, T, cached + T]`, additive float) or a single row with none. Anything else (a prefill, a sliding
 window, attention extras, a bool mask) returns None and the lean forward runs. The attention runs on
-`decode_attention`'s kernel on AVX-512 CPUs when the head size is a multiple of 16 floats, else on
-`attention_kernel`'s compiled loops when it is a multiple of 8 (`attention_loops`); with numba's loops, a step of
+`decode_attention`'s kernel when the head size is a multiple of the CPU's vector width (16 floats with AVX-512, 8
+with AVX2), else on `attention_kernel`'s compiled loops when it is a multiple of 8 (`attention_loops`); with numba's loops, a step of
 many rows over a long cache attends with PyTorch's SDPA between two compiled calls (`COMPILED_ATTENTION_MAX`).
 """
 
@@ -49,10 +49,12 @@ GROUPED = True  # decode_attention's kernel where it runs (False: attention_kern
 
 def attention_loops(head_dim: int) -> np.ndarray:
     """The fused attention's compiled code for heads of `head_dim` floats (`fused_kernels.attend_after`'s
-    `kernels`): `decode_attention`'s kernel where it runs (AVX-512, heads of whole 16-float vectors) and GROUPED is
-    on, else `attention_kernel`'s two loops (heads of whole 8-float vectors), else none (numba's loops)."""
-    if GROUPED and decode_attention.supports(head_dim) and decode_attention.available():
-        return np.array([decode_attention.address(head_dim)], np.int64)
+    `kernels`): `decode_attention`'s kernel for this CPU's vector width where it runs (AVX-512: heads of whole
+    16-float vectors; AVX2: 8-float) and GROUPED is on, else `attention_kernel`'s two loops (heads of whole 8-float
+    vectors), else none (numba's loops)."""
+    lanes = decode_attention.host_lanes()
+    if GROUPED and decode_attention.supports(head_dim, lanes) and decode_attention.available(lanes):
+        return np.array([decode_attention.address(head_dim, lanes)], np.int64)
     if attention_kernel.supports(head_dim):
         return np.array(attention_kernel.attention_addresses(head_dim), np.int64)
     return _NUMBA_ATTENTION

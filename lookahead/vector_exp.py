@@ -23,15 +23,16 @@ VEC = f"<{LANES} x float>"
 NEGATIVE_INFINITY = "0xFFF0000000000000"  # an IR float literal
 
 
-def splat(name: str, scalar: str) -> list[str]:
-    """IR: %{name} = a vector of 16 copies of the float `scalar`."""
-    return [f"  %{name}_h = insertelement {VEC} poison, float {scalar}, i32 0",
-            f"  %{name} = shufflevector {VEC} %{name}_h, {VEC} poison, <{LANES} x i32> zeroinitializer"]
+def splat(name: str, scalar: str, lanes: int = LANES) -> list[str]:
+    """IR: %{name} = a vector of `lanes` copies of the float `scalar`."""
+    vec = f"<{lanes} x float>"
+    return [f"  %{name}_h = insertelement {vec} poison, float {scalar}, i32 0",
+            f"  %{name} = shufflevector {vec} %{name}_h, {vec} poison, <{lanes} x i32> zeroinitializer"]
 
 
-def splat_const(value: str) -> str:
-    """An IR constant vector of 16 floats, each `value` (an IR float literal)."""
-    return "<" + ", ".join([f"float {value}"] * LANES) + ">"
+def splat_const(value: str, lanes: int = LANES) -> str:
+    """An IR constant vector of `lanes` floats, each `value` (an IR float literal)."""
+    return "<" + ", ".join([f"float {value}"] * lanes) + ">"
 
 
 def float_literal(value: float) -> str:
@@ -40,37 +41,39 @@ def float_literal(value: float) -> str:
     return "0x" + struct.pack(">d", single).hex().upper()
 
 
-def vector_declarations() -> list[str]:
-    """IR declarations of the intrinsics on vectors of 16 floats the AVX-512 attention kernels use (`exp_ir`'s
-    among them: fma, maxnum, rint), then `exp_ir`'s `vexp`."""
-    return [f"declare {VEC} @llvm.fma.v{LANES}f32({VEC}, {VEC}, {VEC})",
-            f"declare {VEC} @llvm.maxnum.v{LANES}f32({VEC}, {VEC})",
-            f"declare {VEC} @llvm.rint.v{LANES}f32({VEC})",
-            f"declare float @llvm.vector.reduce.fmax.v{LANES}f32({VEC})",
-            f"declare float @llvm.vector.reduce.fadd.v{LANES}f32(float, {VEC})", exp_ir()]
+def vector_declarations(lanes: int = LANES) -> list[str]:
+    """IR declarations of the intrinsics on vectors of `lanes` floats the attention kernels use (`exp_ir`'s among
+    them: fma, maxnum, rint), then `exp_ir`'s `vexp`."""
+    vec = f"<{lanes} x float>"
+    return [f"declare {vec} @llvm.fma.v{lanes}f32({vec}, {vec}, {vec})",
+            f"declare {vec} @llvm.maxnum.v{lanes}f32({vec}, {vec})",
+            f"declare {vec} @llvm.rint.v{lanes}f32({vec})",
+            f"declare float @llvm.vector.reduce.fmax.v{lanes}f32({vec})",
+            f"declare float @llvm.vector.reduce.fadd.v{lanes}f32(float, {vec})", exp_ir(lanes)]
 
 
-def exp_ir() -> str:
-    """IR of `vexp(x)` on 16 floats: e^x for x ≤ 0 (x clamped at EXP_FLOOR), Cephes' formula (module docstring).
-    The caller declares llvm.fma, llvm.maxnum and llvm.rint for vectors of 16 floats."""
-    c = {name: splat_const(float_literal(value)) for name, value in
+def exp_ir(lanes: int = LANES) -> str:
+    """IR of `vexp(x)` on `lanes` floats: e^x for x ≤ 0 (x clamped at EXP_FLOOR), Cephes' formula (module
+    docstring). The caller declares llvm.fma, llvm.maxnum and llvm.rint for vectors of `lanes` floats."""
+    vec = f"<{lanes} x float>"
+    c = {name: splat_const(float_literal(value), lanes) for name, value in
          (("clamp", EXP_FLOOR), ("log2e", LOG2E), ("ln2_hi", EXP_LN2[0]), ("ln2_lo", EXP_LN2[1]))}
-    poly = [splat_const(float_literal(value)) for value in EXP_POLYNOMIAL]
-    fma = f"@llvm.fma.v{LANES}f32"
-    lines = [f"define internal {VEC} @vexp({VEC} %in) alwaysinline {{",
-             f"  %x = call {VEC} @llvm.maxnum.v{LANES}f32({VEC} %in, {VEC} {c['clamp']})",
-             f"  %xl = fmul {VEC} %x, {c['log2e']}", f"  %n = call {VEC} @llvm.rint.v{LANES}f32({VEC} %xl)",
-             f"  %nh = fneg {VEC} %n",
-             f"  %t1 = call {VEC} {fma}({VEC} %nh, {VEC} {c['ln2_hi']}, {VEC} %x)",
-             f"  %t = call {VEC} {fma}({VEC} %nh, {VEC} {c['ln2_lo']}, {VEC} %t1)"]
+    poly = [splat_const(float_literal(value), lanes) for value in EXP_POLYNOMIAL]
+    fma = f"@llvm.fma.v{lanes}f32"
+    lines = [f"define internal {vec} @vexp({vec} %in) alwaysinline {{",
+             f"  %x = call {vec} @llvm.maxnum.v{lanes}f32({vec} %in, {vec} {c['clamp']})",
+             f"  %xl = fmul {vec} %x, {c['log2e']}", f"  %n = call {vec} @llvm.rint.v{lanes}f32({vec} %xl)",
+             f"  %nh = fneg {vec} %n",
+             f"  %t1 = call {vec} {fma}({vec} %nh, {vec} {c['ln2_hi']}, {vec} %x)",
+             f"  %t = call {vec} {fma}({vec} %nh, {vec} {c['ln2_lo']}, {vec} %t1)"]
     previous = poly[0]
     for i, coefficient in enumerate(poly[1:]):
-        lines.append(f"  %p{i} = call {VEC} {fma}({VEC} {previous}, {VEC} %t, {VEC} {coefficient})")
+        lines.append(f"  %p{i} = call {vec} {fma}({vec} {previous}, {vec} %t, {vec} {coefficient})")
         previous = f"%p{i}"
-    one = splat_const(float_literal(1.0))
-    lines += [f"  %tt = fmul {VEC} %t, %t", f"  %y1 = call {VEC} {fma}({VEC} {previous}, {VEC} %tt, {VEC} %t)",
-              f"  %y = fadd {VEC} %y1, {one}", f"  %ni = fptosi {VEC} %n to <{LANES} x i32>",
-              f"  %bi = add <{LANES} x i32> %ni, <{', '.join(['i32 127'] * LANES)}>",
-              f"  %bs = shl <{LANES} x i32> %bi, <{', '.join(['i32 23'] * LANES)}>",
-              f"  %pow = bitcast <{LANES} x i32> %bs to {VEC}", f"  %r = fmul {VEC} %y, %pow", f"  ret {VEC} %r", "}"]
+    one = splat_const(float_literal(1.0), lanes)
+    lines += [f"  %tt = fmul {vec} %t, %t", f"  %y1 = call {vec} {fma}({vec} {previous}, {vec} %tt, {vec} %t)",
+              f"  %y = fadd {vec} %y1, {one}", f"  %ni = fptosi {vec} %n to <{lanes} x i32>",
+              f"  %bi = add <{lanes} x i32> %ni, <{', '.join(['i32 127'] * lanes)}>",
+              f"  %bs = shl <{lanes} x i32> %bi, <{', '.join(['i32 23'] * lanes)}>",
+              f"  %pow = bitcast <{lanes} x i32> %bs to {vec}", f"  %r = fmul {vec} %y, %pow", f"  ret {vec} %r", "}"]
     return "\n".join(lines)

@@ -54,10 +54,11 @@ def _run(model, prompt, kernels: RowKernels, fused: bool):
         return _steps(model, prompt)
 
 
-@pytest.mark.parametrize("attention", ["compiled", "numba", "sdpa"])
+@pytest.mark.parametrize("attention", ["grouped", "compiled", "numba", "sdpa"])
 @pytest.mark.parametrize("name", list(FUSED_ARCHITECTURES))
 def test_fused_steps_compute_the_lean_forward_to_rounding(name, attention, monkeypatch):
-    if attention != "compiled":  # numba's attention loops (heads of any size)
+    monkeypatch.setattr(fused_layer, "GROUPED", attention == "grouped")  # decode_attention's kernel where it runs
+    if attention in ("numba", "sdpa"):  # numba's attention loops (heads of any size)
         monkeypatch.setattr(attention_kernel, "supports", lambda head_dim: False)
     if attention == "sdpa":  # with numba's loops, every step of several rows attends with SDPA between two calls
         monkeypatch.setattr(fused_layer, "COMPILED_ATTENTION_MAX", 0)
@@ -113,15 +114,16 @@ def _reference(queries, keys, values, mask, length):
 
 def _loops(kind: str) -> np.ndarray:
     """`attend`'s `kernels` argument for heads of 16 floats: `attention_kernel`'s compiled loops, `decode_attention`'s
-    kernel (skips the test where it does not run), or none (numba's loops)."""
-    if kind == "grouped":
-        if not decode_attention.available():
-            pytest.skip("decode_attention's kernel needs AVX-512")
-        return np.array([decode_attention.address(16)], np.int64)
+    kernel on vectors of 16 or 8 floats (skips the test where it does not run), or none (numba's loops)."""
+    if kind.startswith("grouped"):
+        lanes = int(kind[len("grouped"):])
+        if not decode_attention.available(lanes):
+            pytest.skip(f"decode_attention's {lanes}-float kernel does not run on this CPU")
+        return np.array([decode_attention.address(16, lanes)], np.int64)
     return np.array(attention_kernel.attention_addresses(16), np.int64) if kind == "compiled" else np.empty(0, np.int64)
 
 
-@pytest.mark.parametrize("loops", ["grouped", "compiled", "numba"])
+@pytest.mark.parametrize("loops", ["grouped16", "grouped8", "compiled", "numba"])
 @pytest.mark.parametrize("rows,cached", [(1, 0), (1, 37), (5, 40), (13, 3)])
 def test_attention_matches_float64_and_masked_keys_weigh_exactly_nothing(rows, cached, loops):
     queries, keys, values, mask = _attention_inputs(rows, cached)
@@ -142,7 +144,7 @@ def test_attention_matches_float64_and_masked_keys_weigh_exactly_nothing(rows, c
         assert np.array_equal(again[row], out[row])
 
 
-@pytest.mark.parametrize("loops", ["grouped", "compiled", "numba"])
+@pytest.mark.parametrize("loops", ["grouped16", "grouped8", "compiled", "numba"])
 @pytest.mark.parametrize("rows,cached,padding", [(1, 30, 11), (4, 25, 7), (3, 12, 1)])
 def test_a_padded_entry_attends_as_it_does_without_its_padding(rows, cached, padding, loops):
     """Slots every row's mask hides at the front (a left-padded batch entry's padding) are skipped: the output is,
@@ -179,7 +181,7 @@ def test_the_hidden_lead_is_what_every_row_hides_at_the_front():
     assert fused_kernels.hidden_lead(np.empty((0, 0), np.float32), 0, 1) == 0  # the "none" mask
 
 
-@pytest.mark.parametrize("loops", ["grouped", "compiled", "numba"])
+@pytest.mark.parametrize("loops", ["grouped16", "grouped8", "compiled", "numba"])
 def test_attention_without_a_mask_sees_every_slot(loops):
     queries, keys, values, _ = _attention_inputs(1, 20, seed=3)
     out = np.empty((1, 6, 16), np.float32)
@@ -191,9 +193,12 @@ def test_attention_without_a_mask_sees_every_slot(loops):
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "llama-odd-width", "llama-heads16", "qwen2-heads16"])
 @pytest.mark.parametrize("config", [LookaheadConfig(), LookaheadConfig.off()], ids=["speculate", "off"])
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-attention", "attention-loops"])
-def test_greedy_through_fused_layers_is_plain_greedy(name, config, grouped, monkeypatch):
-    monkeypatch.setattr(fused_layer, "GROUPED", grouped)
+@pytest.mark.parametrize("lanes", [16, 8, 0], ids=["grouped16", "grouped8", "attention-loops"])
+def test_greedy_through_fused_layers_is_plain_greedy(name, config, lanes, monkeypatch):
+    if lanes and not decode_attention.available(lanes):
+        pytest.skip(f"decode_attention's {lanes}-float kernel does not run on this CPU")
+    monkeypatch.setattr(fused_layer, "GROUPED", lanes > 0)
+    monkeypatch.setattr(decode_attention, "host_lanes", lambda: lanes)
     monkeypatch.setattr(hf, "row_kernels_for", lambda model, refresh=False, quiet=False: RowKernels(0, 64))
     chosen, real = [], fused_layer.attention_loops
     monkeypatch.setattr(fused_layer, "attention_loops", lambda head_dim: chosen.append(real(head_dim)) or chosen[-1])
@@ -206,7 +211,7 @@ def test_greedy_through_fused_layers_is_plain_greedy(name, config, grouped, monk
         assert torch.equal(plain, fast)
     assert calls.count > 0  # every step after the prefill ran the fused layers
     head_dim = model.config.hidden_size // model.config.num_attention_heads
-    kernel = grouped and decode_attention.supports(head_dim) and decode_attention.available()
+    kernel = lanes and decode_attention.supports(head_dim, lanes)
     expected = 1 if kernel else 2  # the kernel's address, or the two loops'
     assert chosen and {len(loops) for loops in chosen} == {expected}
 

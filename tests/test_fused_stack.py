@@ -64,9 +64,10 @@ def _assert_equal(first, second):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("attention", ["compiled", "numba"])
+@pytest.mark.parametrize("attention", ["grouped", "compiled", "numba"])
 @pytest.mark.parametrize("name", list(FUSED_ARCHITECTURES))
 def test_stack_steps_are_the_per_layer_fused_steps_bit_for_bit(name, attention, monkeypatch):
+    monkeypatch.setattr(fused_layer, "GROUPED", attention == "grouped")  # decode_attention's kernel where it runs
     if attention == "numba":
         monkeypatch.setattr(attention_kernel, "supports", lambda head_dim: False)
     model, prompt = _model(name), repetitive_prompt(2, length=30)
