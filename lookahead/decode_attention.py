@@ -274,7 +274,7 @@ def _tail_scores(w: _Width, head_dim: int, vectors: int) -> list[str]:
 
 
 def _valid(w: _Width, tag: str, at: str) -> list[str]:
-    """IR: %{tag} = which lanes of the vector of slots at…at + 15 are keys (slot < count)."""
+    """IR: %{tag} = which lanes of the vector of slots at, at + 1, … are keys (slot < count)."""
     return [f"  %{tag}_left = sub i64 %count, {at}",
             f"  %{tag}_lh = insertelement <{w.lanes} x i64> poison, i64 %{tag}_left, i32 0",
             f"  %{tag}_lv = shufflevector <{w.lanes} x i64> %{tag}_lh, <{w.lanes} x i64> poison, <{w.lanes} x i32> "
@@ -284,7 +284,8 @@ def _valid(w: _Width, tag: str, at: str) -> list[str]:
 def _maximum(w: _Width, loop: str, masked: bool) -> list[str]:
     """IR: the loop `loop` over a query's scores (row %sr) taking their maximum into %{loop}_top_next; `masked`: the
     mask row (%smp) added first and the sums stored back. Without a mask the row is only read: a masked load from
-    no row at all (every lane off) costs a fault-suppression assist on AMD CPUs, ~2x the whole attention."""
+    no row at all (every lane off) takes a fault-suppression assist with AVX2 on AMD CPUs (the 8-float kernel ran
+    2.5x slower at one row)."""
     low = w.const(NEGATIVE_INFINITY)
     out = [f"{loop}:", f"  %{loop}_x = phi i64 [0, %sq], [%{loop}_x_next, %{loop}]",
            f"  %{loop}_top = phi {w.vec} [{low}, %sq], [%{loop}_top_next, %{loop}]",
