@@ -24,11 +24,11 @@ from numba import types as nb_types
 from numba.extending import intrinsic
 
 from .compiled_ir import call_codegen, compiled_addresses
+from .vector_ir import Width, chain, pairwise
 
 LANES = 8
 VEC = f"<{LANES} x float>"
-_EVEN = "<" + ", ".join(f"i32 {2 * i}" for i in range(LANES)) + ">"
-_ODD = "<" + ", ".join(f"i32 {2 * i + 1}" for i in range(LANES)) + ">"
+_WIDTH = Width(LANES)
 
 
 def supports(head_dim: int) -> bool:
@@ -52,26 +52,6 @@ def module_ir(head_dim: int) -> str:
     return "\n".join(declarations + [dots_ir(head_dim), weighted_ir(head_dim)])
 
 
-def _chain(emit, name: str, key: str, vectors: int) -> None:
-    """IR: %{name} = the lane-wise multiply-add chain of the query vectors %q0… with the key at pointer %{key}."""
-    for v in range(vectors):
-        emit(f"  %{name}_p{v} = getelementptr float, ptr %{key}, i64 {v * LANES}")
-        emit(f"  %{name}_k{v} = load {VEC}, ptr %{name}_p{v}, align 4")
-        target = name if v == vectors - 1 else f"{name}_a{v}"
-        if v == 0:
-            emit(f"  %{target} = fmul {VEC} %q0, %{name}_k0")
-        else:
-            emit(f"  %{target} = call {VEC} @llvm.fma.v{LANES}f32({VEC} %q{v}, {VEC} %{name}_k{v}, "
-                 f"{VEC} %{name}_a{v - 1})")
-
-
-def _pairwise(emit, name: str, a: str, b: str) -> None:
-    """IR: %{name} = [a₀+a₁, a₂+a₃, a₄+a₅, a₆+a₇, b₀+b₁, …, b₆+b₇] (neighbouring lanes of a, then of b, added)."""
-    emit(f"  %{name}_e = shufflevector {VEC} %{a}, {VEC} %{b}, <{LANES} x i32> {_EVEN}")
-    emit(f"  %{name}_o = shufflevector {VEC} %{a}, {VEC} %{b}, <{LANES} x i32> {_ODD}")
-    emit(f"  %{name} = fadd {VEC} %{name}_e, %{name}_o")
-
-
 def dots_ir(head_dim: int) -> str:
     """`void dots(i64 q, i64 keys, i64 count, i64 out, float scale)`: out[s] = (q · keys[s]) · scale for the
     `count` keys at `keys` ([count, head_dim] floats), summed as the module docstring says."""
@@ -90,21 +70,21 @@ def dots_ir(head_dim: int) -> str:
     for j in range(LANES):
         emit(f"  %slot{j} = add i64 %s, {j}\n  %off{j} = mul i64 %slot{j}, {head_dim}")
         emit(f"  %kp{j} = getelementptr float, ptr %keys, i64 %off{j}")
-        _chain(emit, f"c{j}", f"kp{j}", vectors)
+        out += chain(_WIDTH, f"c{j}", "q", f"kp{j}", vectors)
     for j in range(0, LANES, 2):
-        _pairwise(emit, f"r1_{j}", f"c{j}", f"c{j + 1}")
-    _pairwise(emit, "r2_0", "r1_0", "r1_2")
-    _pairwise(emit, "r2_4", "r1_4", "r1_6")
-    _pairwise(emit, "r3", "r2_0", "r2_4")
+        out += pairwise(_WIDTH, f"r1_{j}", f"c{j}", f"c{j + 1}")
+    out += pairwise(_WIDTH, "r2_0", "r1_0", "r1_2")
+    out += pairwise(_WIDTH, "r2_4", "r1_4", "r1_6")
+    out += pairwise(_WIDTH, "r3", "r2_0", "r2_4")
     emit(f"  %scaled = fmul {VEC} %r3, %scales\n  %op = getelementptr float, ptr %out, i64 %s")
     emit(f"  store {VEC} %scaled, ptr %op, align 4\n  %s_next = add i64 %s, {LANES}\n  br label %block_test")
     emit("tail_test:\n  %t = phi i64 [%blocks_end, %block_test], [%t_next, %tail]\n  %left = icmp slt i64 %t, %count")
     emit("  br i1 %left, label %tail, label %exit")
     emit(f"tail:\n  %toff = mul i64 %t, {head_dim}\n  %tkp = getelementptr float, ptr %keys, i64 %toff")
-    _chain(emit, "u", "tkp", vectors)
-    _pairwise(emit, "u1", "u", "u")  # lanes [u01, u23, u45, u67, …]: the same tree as a block's, one key
-    _pairwise(emit, "u2", "u1", "u1")  # [u0123, u4567, …]
-    _pairwise(emit, "u3", "u2", "u2")  # [u01234567, …]
+    out += chain(_WIDTH, "u", "q", "tkp", vectors)
+    out += pairwise(_WIDTH, "u1", "u", "u")  # lanes [u01, u23, u45, u67, …]: the same tree as a block's, one key
+    out += pairwise(_WIDTH, "u2", "u1", "u1")  # [u0123, u4567, …]
+    out += pairwise(_WIDTH, "u3", "u2", "u2")  # [u01234567, …]
     emit(f"  %dot = extractelement {VEC} %u3, i32 0\n  %score = fmul float %dot, %scale")
     emit("  %tp = getelementptr float, ptr %out, i64 %t\n  store float %score, ptr %tp, align 4")
     emit("  %t_next = add i64 %t, 1\n  br label %tail_test")

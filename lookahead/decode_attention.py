@@ -12,7 +12,7 @@ floats with AVX-512 or of 8 with AVX2 (L lanes):
   floats, then one tree of shuffles and adds turning the L accumulators into the block's L scores; keys past the
   last whole block one by one, through the very same tree;
 - softmax, per query: the mask row added, the maximum, the weights exp(s − max) (Cephes' polynomial, the constants
-  of `vector_exp`; exactly 0 below e⁻⁸⁷, so a masked key weighs nothing), their sum lane by lane (slot s into
+  of `vector_ir`; exactly 0 below e⁻⁸⁷, so a masked key weighs nothing), their sum lane by lane (slot s into
   lane s mod L) then the L lanes in order;
 - weighted values: as many queries at a time as the registers hold (`group_size`), each output element one chain
   of multiply-adds in slot order (the value vectors loaded once for the group), times the inverse of the sum.
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -37,47 +36,12 @@ from numba.extending import intrinsic
 
 from . import streamed_gemm
 from .compiled_ir import call_codegen, compiled_address, host_features
-from .vector_exp import EXP_FLOOR, NEGATIVE_INFINITY, float_literal, splat, splat_const, vector_declarations
+from .vector_ir import EXP_FLOOR, NEGATIVE_INFINITY, Width, chain, float_literal, pairwise, vector_declarations
 
 WIDTHS = (16, 8)  # floats a vector: AVX-512's, AVX2's
 REGISTERS = {16: 32, 8: 16}  # vector registers of each width's instruction set
 MAX_GROUP = 8  # queries a pass of the weighted values takes at most
 PAD = 16  # the scratch pads each query's scores to whole vectors of the wider width (enough for both)
-
-
-@dataclass(frozen=True)
-class _Width:
-    """The vector width a kernel is written for, `lanes` floats, and the IR types and constants that go with it."""
-
-    lanes: int
-
-    @property
-    def vec(self) -> str:
-        """The IR type of a vector of floats."""
-        return f"<{self.lanes} x float>"
-
-    @property
-    def mask(self) -> str:
-        """The IR type of a vector of booleans, one per lane."""
-        return f"<{self.lanes} x i1>"
-
-    @property
-    def index(self) -> str:
-        """An IR constant: the lanes' indices 0 … lanes − 1 as a vector of i64."""
-        return "<" + ", ".join(f"i64 {i}" for i in range(self.lanes)) + ">"
-
-    @property
-    def levels(self) -> int:
-        """The levels of a tree of pairwise sums over the lanes."""
-        return self.lanes.bit_length() - 1
-
-    def splat(self, name: str, scalar: str) -> list[str]:
-        """IR: %{name} = a vector of copies of the float `scalar`."""
-        return splat(name, scalar, self.lanes)
-
-    def const(self, value: str) -> str:
-        """An IR constant vector, each lane the float literal `value`."""
-        return splat_const(value, self.lanes)
 
 
 def host_lanes() -> int:
@@ -166,7 +130,7 @@ def module_ir(head_dim: int, lanes: int = 16) -> str:
     i64 count, i64 scratch, float scale)`: for each of the n queries (`queries`, `masks`, `outs`: arrays of n
     pointers to its [D] query, its mask row of `count` floats or 0 for none, its [D] output), the attention over
     the `count` keys and values at `keys` / `values` ([count, D]); `scratch` holds `scratch_floats(n, count)`."""
-    w = _Width(lanes)
+    w = Width(lanes)
     vectors = head_dim // lanes
     lines = vector_declarations(lanes) + [
         f"declare {w.vec} @llvm.masked.load.v{w.lanes}f32.p0(ptr, i32, {w.mask}, {w.vec})",
@@ -181,7 +145,7 @@ def module_ir(head_dim: int, lanes: int = 16) -> str:
     return "\n".join(lines)
 
 
-def _entry(w: _Width) -> list[str]:
+def _entry(w: Width) -> list[str]:
     """The entry block: pointers, the padded row length of the scratch, the end of the whole key blocks."""
     out = ["  %qs = inttoptr i64 %qa to ptr", "  %ms = inttoptr i64 %ma to ptr", "  %os = inttoptr i64 %oa to ptr",
            "  %k = inttoptr i64 %ka to ptr", "  %v = inttoptr i64 %va to ptr", "  %sc = inttoptr i64 %sa to ptr",
@@ -192,7 +156,7 @@ def _entry(w: _Width) -> list[str]:
     return out + ["  br label %kb_test"]
 
 
-def _query(w: _Width, index: str, tag: str, vectors: int) -> list[str]:
+def _query(w: Width, index: str, tag: str, vectors: int) -> list[str]:
     """IR: %{tag}q{v} = the query vectors of query `index` (its pointer read from the queries' array)."""
     out = [f"  %{tag}qpp = getelementptr i64, ptr %qs, i64 {index}", f"  %{tag}qa = load i64, ptr %{tag}qpp",
            f"  %{tag}qp = inttoptr i64 %{tag}qa to ptr"]
@@ -202,31 +166,7 @@ def _query(w: _Width, index: str, tag: str, vectors: int) -> list[str]:
     return out
 
 
-def _chain(w: _Width, name: str, tag: str, key: str, vectors: int) -> list[str]:
-    """IR: %{name} = the lane-wise multiply-add chain of the query vectors %{tag}q… with the key at pointer %{key}."""
-    out = []
-    for v in range(vectors):
-        out += [f"  %{name}_p{v} = getelementptr float, ptr %{key}, i64 {v * w.lanes}",
-                f"  %{name}_k{v} = load {w.vec}, ptr %{name}_p{v}, align 4"]
-        target = name if v == vectors - 1 else f"{name}_a{v}"
-        if v == 0:
-            out.append(f"  %{target} = fmul {w.vec} %{tag}q0, %{name}_k0")
-        else:
-            out.append(f"  %{target} = call {w.vec} @llvm.fma.v{w.lanes}f32({w.vec} %{tag}q{v}, "
-                       f"{w.vec} %{name}_k{v}, {w.vec} %{name}_a{v - 1})")
-    return out
-
-
-def _pairwise(w: _Width, name: str, a: str, b: str) -> list[str]:
-    """IR: %{name} = [a₀+a₁, a₂+a₃, …, b₀+b₁, b₂+b₃, …] (neighbouring lanes of a, then of b, added)."""
-    even = "<" + ", ".join(f"i32 {2 * i}" for i in range(w.lanes)) + ">"
-    odd = "<" + ", ".join(f"i32 {2 * i + 1}" for i in range(w.lanes)) + ">"
-    return [f"  %{name}_e = shufflevector {w.vec} %{a}, {w.vec} %{b}, <{w.lanes} x i32> {even}",
-            f"  %{name}_o = shufflevector {w.vec} %{a}, {w.vec} %{b}, <{w.lanes} x i32> {odd}",
-            f"  %{name} = fadd {w.vec} %{name}_e, %{name}_o"]
-
-
-def _block_scores(w: _Width, head_dim: int, vectors: int) -> list[str]:
+def _block_scores(w: Width, head_dim: int, vectors: int) -> list[str]:
     """IR: the loop over whole blocks of keys (one a lane), and inside it the loop over the queries: each query's
     chains, one a key, the tree of pairwise sums (key j's score lands in lane j), scaled, stored at
     scratch[m · padded + s]."""
@@ -236,13 +176,13 @@ def _block_scores(w: _Width, head_dim: int, vectors: int) -> list[str]:
     for j in range(w.lanes):
         out += [f"  %slot{j} = add i64 %s, {j}", f"  %off{j} = mul i64 %slot{j}, {head_dim}",
                 f"  %kp{j} = getelementptr float, ptr %k, i64 %off{j}"]
-        out += _chain(w, f"c{j}", "b", f"kp{j}", vectors)
+        out += chain(w, f"c{j}", "bq", f"kp{j}", vectors)
     level, width = [f"c{j}" for j in range(w.lanes)], 0
     while len(level) > 1:
         width += 1
         names = [f"r{width}_{j}" for j in range(len(level) // 2)]
         for j, name in enumerate(names):
-            out += _pairwise(w, name, level[2 * j], level[2 * j + 1])
+            out += pairwise(w, name, level[2 * j], level[2 * j + 1])
         level = names
     out += [f"  %bscaled = fmul {w.vec} %{level[0]}, %scalev", "  %brow = mul i64 %m, %padded",
             "  %bat = add i64 %brow, %s", "  %bop = getelementptr float, ptr %sc, i64 %bat",
@@ -252,17 +192,17 @@ def _block_scores(w: _Width, head_dim: int, vectors: int) -> list[str]:
     return out
 
 
-def _tail_scores(w: _Width, head_dim: int, vectors: int) -> list[str]:
+def _tail_scores(w: Width, head_dim: int, vectors: int) -> list[str]:
     """IR: the keys past the last whole block one by one, each query's chain through the same tree (lane 0)."""
     out = ["tail_test:", "  %t = phi i64 [%blocks_end, %kb_test], [%t_next, %tq_done]",
            "  %t_more = icmp slt i64 %t, %count", "  br i1 %t_more, label %tq_start, label %soft",
            "tq_start:", f"  %toff = mul i64 %t, {head_dim}", "  %tkp = getelementptr float, ptr %k, i64 %toff",
            "  br label %tq", "tq:", "  %tm = phi i64 [0, %tq_start], [%tm_next, %tq]"]
     out += _query(w, "%tm", "t", vectors)
-    out += _chain(w, "u", "t", "tkp", vectors)
+    out += chain(w, "u", "tq", "tkp", vectors)
     previous = "u"
     for level in range(1, w.levels + 1):  # the levels of the block's tree; lane 0 ends as the key's score
-        out += _pairwise(w, f"u{level}", previous, previous)
+        out += pairwise(w, f"u{level}", previous, previous)
         previous = f"u{level}"
     out += [f"  %tdot = extractelement {w.vec} %{previous}, i32 0", "  %tscore = fmul float %tdot, %scale",
             "  %trow = mul i64 %tm, %padded", "  %tat = add i64 %trow, %t",
@@ -273,7 +213,7 @@ def _tail_scores(w: _Width, head_dim: int, vectors: int) -> list[str]:
     return out
 
 
-def _valid(w: _Width, tag: str, at: str) -> list[str]:
+def _valid(w: Width, tag: str, at: str) -> list[str]:
     """IR: %{tag} = which lanes of the vector of slots at, at + 1, … are keys (slot < count)."""
     return [f"  %{tag}_left = sub i64 %count, {at}",
             f"  %{tag}_lh = insertelement <{w.lanes} x i64> poison, i64 %{tag}_left, i32 0",
@@ -281,7 +221,7 @@ def _valid(w: _Width, tag: str, at: str) -> list[str]:
             "zeroinitializer", f"  %{tag} = icmp slt <{w.lanes} x i64> {w.index}, %{tag}_lv"]
 
 
-def _maximum(w: _Width, loop: str, masked: bool) -> list[str]:
+def _maximum(w: Width, loop: str, masked: bool) -> list[str]:
     """IR: the loop `loop` over a query's scores (row %sr) taking their maximum into %{loop}_top_next; `masked`: the
     mask row (%smp) added first and the sums stored back. Without a mask the row is only read: a masked load from
     no row at all (every lane off) takes a fault-suppression assist with AVX2 on AMD CPUs (the 8-float kernel ran
@@ -307,7 +247,7 @@ def _maximum(w: _Width, loop: str, masked: bool) -> list[str]:
                   f"  br i1 %{loop}_more, label %{loop}, label %ex_start"]
 
 
-def _softmax(w: _Width) -> list[str]:
+def _softmax(w: Width) -> list[str]:
     """IR: per query, a pass adding its mask row and taking the maximum, then a pass turning the scores into the
     weights (stored over them) and summing them lane by lane; the inverse of the sum stored after the scores."""
     low = w.const(NEGATIVE_INFINITY)
@@ -339,7 +279,7 @@ def _softmax(w: _Width) -> list[str]:
     return out
 
 
-def _weighted(w: _Width, head_dim: int, vectors: int, group: int) -> list[str]:
+def _weighted(w: Width, head_dim: int, vectors: int, group: int) -> list[str]:
     """IR: the queries GROUP at a time (the last few in a pass of their own size), each pass a function of its
     own (`_weighted_pass`; inlined, LLVM merged the passes' loops into one that kept its pointers in memory)."""
     sizes = range(1, group + 1)
@@ -358,7 +298,7 @@ def _weighted(w: _Width, head_dim: int, vectors: int, group: int) -> list[str]:
     return out
 
 
-def _weighted_pass(w: _Width, k: int, head_dim: int, vectors: int) -> list[str]:
+def _weighted_pass(w: Width, k: int, head_dim: int, vectors: int) -> list[str]:
     """IR: `pass{k}`, the weighted values of queries g … g + k − 1: one loop over the slots, the value vectors
     loaded once for the k queries, each query's output one chain of multiply-adds per vector in slot order; then each
     output times its inverse sum, stored through its pointer."""

@@ -28,7 +28,7 @@ from numba.extending import intrinsic
 from .attention_kernel import call_dots, call_weighted
 from .decode_attention import call_attend_queries, scratch_floats
 from .streamed_gemm import _launch
-from .vector_exp import EXP_FLOOR, EXP_LN2, EXP_POLYNOMIAL, LOG2E  # noqa: F401 — `_exp_below`'s formula
+from .vector_ir import EXP_FLOOR, EXP_LN2, EXP_POLYNOMIAL, LOG2E  # noqa: F401 — `_exp_below`'s formula
 
 _REDUCE = {"reassoc", "nsz", "contract"}  # reductions: vectorised sums (their own order, deterministic)
 HIDDEN = np.float32(-1e30)  # a mask value at or below this hides its slot (masks use float32's lowest, -3.4e38)

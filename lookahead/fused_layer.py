@@ -14,8 +14,9 @@ cache a `SlabLayer` already holding the prompt (the keys and values are written 
 mask (`[1, 1, T, cached + T]`, additive float) or a single row with none. Anything else (a prefill, a sliding
 window, attention extras, a bool mask) returns None and the lean forward runs. The attention runs on
 `decode_attention`'s kernel when the head size is a multiple of the CPU's vector width (16 floats with AVX-512, 8
-with AVX2), else on `attention_kernel`'s compiled loops when it is a multiple of 8 (`attention_loops`); with numba's loops, a step of
-many rows over a long cache attends with PyTorch's SDPA between two compiled calls (`COMPILED_ATTENTION_MAX`).
+with AVX2), else on `attention_kernel`'s compiled loops when it is a multiple of 8 (`attention_loops`); with
+numba's loops, a step of many rows over a long cache attends with PyTorch's SDPA between two compiled calls
+(`COMPILED_ATTENTION_MAX`).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from numba.extending import intrinsic
 
 from . import streamed_gemm
 from .compiled_ir import call_codegen, compiled_addresses, host_features
-from .vector_exp import LANES, NEGATIVE_INFINITY, VEC, splat, splat_const, vector_declarations
+from .vector_ir import LANES, NEGATIVE_INFINITY, VEC, splat, splat_const, vector_declarations
 
 ROWS = 4  # query rows of one tile
 BLOCK = 32  # keys a tile scores at once (a multiple of LANES)

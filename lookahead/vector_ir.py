@@ -1,7 +1,9 @@
-"""Cephes' single-precision exp, the one formula every attention kernel of lookahead uses, and the LLVM IR pieces
-the AVX-512 kernels (`prefill_attention`, `decode_attention`) build it and their constant vectors from.
+"""The LLVM IR pieces the compiled attention kernels (`attention_kernel`, `prefill_attention`, `decode_attention`)
+share: a vector width's types and constants (`Width`), a query's multiply-add chain against a key (`chain`), the
+pairwise sums that turn per-key vectors into scores (`pairwise`), and Cephes' single-precision exp, the one formula
+every attention kernel of lookahead uses (its constants, and `exp_ir`).
 
-x = n·ln 2 + r with n = rint(x·log2 e) and ln 2 split in a high and a low part, then e^r ≈ 1 + r + r²·p(r) (p's
+The exp: x = n·ln 2 + r with n = rint(x·log2 e) and ln 2 split in a high and a low part, then e^r ≈ 1 + r + r²·p(r) (p's
 coefficients highest degree first), times 2^n written into the exponent bits; arguments below EXP_FLOOR are taken
 as giving 0 (the true value is below 1.7e-38). `fused_kernels._exp_below` computes the same formula in numba.
 """
@@ -9,6 +11,7 @@ as giving 0 (the true value is below 1.7e-38). `fused_kernels._exp_below` comput
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -77,3 +80,63 @@ def exp_ir(lanes: int = LANES) -> str:
               f"  %bs = shl <{lanes} x i32> %bi, <{', '.join(['i32 23'] * lanes)}>",
               f"  %pow = bitcast <{lanes} x i32> %bs to {vec}", f"  %r = fmul {vec} %y, %pow", f"  ret {vec} %r", "}"]
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Width:
+    """The vector width a kernel is written for, `lanes` floats, and the IR types and constants that go with it."""
+
+    lanes: int
+
+    @property
+    def vec(self) -> str:
+        """The IR type of a vector of floats."""
+        return f"<{self.lanes} x float>"
+
+    @property
+    def mask(self) -> str:
+        """The IR type of a vector of booleans, one per lane."""
+        return f"<{self.lanes} x i1>"
+
+    @property
+    def index(self) -> str:
+        """An IR constant: the lanes' indices 0 … lanes − 1 as a vector of i64."""
+        return "<" + ", ".join(f"i64 {i}" for i in range(self.lanes)) + ">"
+
+    @property
+    def levels(self) -> int:
+        """The levels of a tree of pairwise sums over the lanes."""
+        return self.lanes.bit_length() - 1
+
+    def splat(self, name: str, scalar: str) -> list[str]:
+        """IR: %{name} = a vector of copies of the float `scalar`."""
+        return splat(name, scalar, self.lanes)
+
+    def const(self, value: str) -> str:
+        """An IR constant vector, each lane the float literal `value`."""
+        return splat_const(value, self.lanes)
+
+
+def chain(w: Width, name: str, query: str, key: str, vectors: int) -> list[str]:
+    """IR: %{name} = the lane-wise multiply-add chain of the query's vectors %{query}0 … with the key's at pointer
+    %{key}: a product for the first vector, then one multiply-add per further vector, in order."""
+    out = []
+    for v in range(vectors):
+        out += [f"  %{name}_p{v} = getelementptr float, ptr %{key}, i64 {v * w.lanes}",
+                f"  %{name}_k{v} = load {w.vec}, ptr %{name}_p{v}, align 4"]
+        target = name if v == vectors - 1 else f"{name}_a{v}"
+        if v == 0:
+            out.append(f"  %{target} = fmul {w.vec} %{query}0, %{name}_k0")
+        else:
+            out.append(f"  %{target} = call {w.vec} @llvm.fma.v{w.lanes}f32({w.vec} %{query}{v}, "
+                       f"{w.vec} %{name}_k{v}, {w.vec} %{name}_a{v - 1})")
+    return out
+
+
+def pairwise(w: Width, name: str, a: str, b: str) -> list[str]:
+    """IR: %{name} = [a₀+a₁, a₂+a₃, …, b₀+b₁, b₂+b₃, …] (neighbouring lanes of a, then of b, added)."""
+    even = "<" + ", ".join(f"i32 {2 * i}" for i in range(w.lanes)) + ">"
+    odd = "<" + ", ".join(f"i32 {2 * i + 1}" for i in range(w.lanes)) + ">"
+    return [f"  %{name}_e = shufflevector {w.vec} %{a}, {w.vec} %{b}, <{w.lanes} x i32> {even}",
+            f"  %{name}_o = shufflevector {w.vec} %{a}, {w.vec} %{b}, <{w.lanes} x i32> {odd}",
+            f"  %{name} = fadd {w.vec} %{name}_e, %{name}_o"]
