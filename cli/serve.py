@@ -21,6 +21,9 @@ from lookahead.cli.options import (arithmetic_options, build_config, check_datas
               help="`off` decodes one token per step (no speculation, no suffix cache).")
 @click.option("--cache-tokens", type=click.IntRange(min=0), default=1 << 16, show_default=True,
               help="Token budget of the cross-request suffix cache (LRU by request; 0 = off).")
+@click.option("--prompt-cache-mb", type=click.IntRange(min=0), default=1024, show_default=True,
+              help="Memory for the keys and values of the latest text, reused by a request that starts the same "
+                   "way (an edited file, the next chat turn): only the rest of its prompt is forwarded (0 = off).")
 @click.option("--context-length", type=click.IntRange(min=2), default=None,
               help="Prompt + completion cap in tokens (default: the model's max_position_embeddings).")
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=1 << 20, show_default=True,
@@ -46,8 +49,8 @@ from lookahead.cli.options import (arithmetic_options, build_config, check_datas
 @head_options
 @datastore_options
 @arithmetic_options
-def serve(model_path, host, port, model_name, mode, cache_tokens, context_length, max_body_bytes, max_queue,
-          api_key, allow_origins, max_connections, request_timeout, threads, datastore, datastore_tokens,
+def serve(model_path, host, port, model_name, mode, cache_tokens, prompt_cache_mb, context_length, max_body_bytes,
+          max_queue, api_key, allow_origins, max_connections, request_timeout, threads, datastore, datastore_tokens,
           **knobs) -> None:
     """Serve completions over an OpenAI-compatible HTTP API (POST /v1/completions, /v1/chat/completions;
     GET /v1/models, /health): greedy by default, exact sampling with temperature > 0, reproducible with seed.
@@ -70,7 +73,8 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, context_length
                                   context_length=context_length, max_body_bytes=max_body_bytes, max_queue=max_queue,
                                   api_key=api_key, allowed_hosts=allowed_hosts_for(host),
                                   allow_origins=tuple(allow_origins), max_connections=max_connections,
-                                  request_timeout=request_timeout, cache_requests=cache_tokens > 0)
+                                  request_timeout=request_timeout, cache_requests=cache_tokens > 0,
+                                  prompt_cache_bytes=prompt_cache_mb << 20)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     try:

@@ -141,13 +141,27 @@ def _grouped_cpu_eligible(module, query: torch.Tensor, attention_mask: torch.Ten
 
 def _prefill_eligible(module, query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float,
                       kwargs: dict) -> bool:
-    """Whether `prefill_attention` computes this call: a causal prefill (transformers' SDPA path would take it as
-    causal: more than one row, no mask, a causal layer) it computes, none of the extras SDPA handles."""
-    if attention_mask is not None or query.shape[2] < 2:  # every step after the prefill: decided at once
+    """Whether `prefill_attention` computes this call: a causal prefill it computes, none of the extras SDPA
+    handles. A whole prompt comes without a mask (transformers' SDPA path takes it as causal: more than one row, a
+    causal layer); a prompt after cached positions (a reused prompt cache) with a mask, which must be the causal
+    one: every row sees every cached position, itself and the rows before it."""
+    if query.shape[2] < 2 or not PREFILL_KERNEL:  # one-row steps: decided at once
         return False
-    if not PREFILL_KERNEL or not getattr(module, "is_causal", True) or _asks_extras(kwargs):
+    if not getattr(module, "is_causal", True) or _asks_extras(kwargs):
         return False
-    return prefill_attention.eligible(query, key, attention_mask, dropout, kwargs)
+    cached = key.shape[2] - query.shape[2]
+    if attention_mask is not None and (cached <= 0 or not _causal_after_cache(attention_mask, query.shape[2], cached)):
+        return False
+    return prefill_attention.eligible(query, key, None, dropout, kwargs, cached if attention_mask is not None else 0)
+
+
+def _causal_after_cache(mask: torch.Tensor, rows: int, cached: int) -> bool:
+    """Whether the `[1, 1, rows, cached + rows]` mask `mask` lets row i see the `cached` first keys and rows 0 … i
+    of the new ones, and nothing else."""
+    if mask.dim() != 4 or tuple(mask.shape) != (1, 1, rows, cached + rows):
+        return False
+    block = _TREE_BLOCKS.get(mask, cached)  # None unless every row sees every cached key (checked once a mask)
+    return block is not None and torch.equal(block, torch.ones(rows, rows, dtype=torch.bool).tril())
 
 
 def _asks_extras(kwargs: dict) -> bool:

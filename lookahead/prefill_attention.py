@@ -17,7 +17,9 @@ SDPA's 4.7–4.9 ms; 4 × 16 rows × keys 1.67, 2 × 32 2.13, 5 × 32 1.47, 4 ×
 loops 2.6–3.9 ms. The sums run in another order than SDPA's, so the output differs from SDPA's in the last bits —
 no further from the float64 attention than SDPA's own (tested) — as lookahead's other kernels do (README, "What it
 does"). Used for float32 prefills of one sequence on CPUs with AVX-512 whose head size is a multiple of 16,
-without a mask (causal), a sliding window or attention weights (`eligible`); everything else keeps SDPA.
+without a mask (causal) or with the causal mask of a prompt after cached positions (a reused prompt cache:
+`attention._prefill_eligible` checks it), without a sliding window or attention weights (`eligible`); everything
+else keeps SDPA.
 """
 
 from __future__ import annotations
@@ -59,12 +61,14 @@ def available() -> bool:
         return False
 
 
-def eligible(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
-    """Whether a call is a causal prefill this kernel computes: float32 CPU tensors `[1, H, T, D]` / `[1, H_kv, T,
-    D]` with T > 1 (a whole prompt: SDPA's `is_causal`, which transformers implies without a mask, aligns the
-    triangle to the top left, the same as the kernel's only when query and key lengths agree; transformers passes a
-    mask for a prompt after cached positions), H a multiple of H_kv, D a multiple of 16, no mask, no dropout, no
-    gradient, no sliding window and no attention weights asked for, on an AVX-512 CPU."""
+def eligible(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict,
+             cached: int = 0) -> bool:
+    """Whether a call is a causal prefill this kernel computes: float32 CPU tensors `[1, H, T, D]` / `[1, H_kv,
+    cached + T, D]` with T > 1, H a multiple of H_kv, D a multiple of 16, no mask, no dropout, no gradient, no
+    sliding window and no attention weights asked for, on an AVX-512 CPU. `cached` = 0: a whole prompt (SDPA's
+    `is_causal`, which transformers implies without a mask, aligns the triangle to the top left, the same as the
+    kernel's only when query and key lengths agree); > 0: a prompt after `cached` cached positions, for which
+    transformers passes a mask the caller has checked to be the causal one (row i sees keys 0 … cached + i)."""
     if attention_mask is not None or dropout or query.is_cuda or query.dtype != torch.float32 or query.requires_grad:
         return False
     if kwargs.get("sliding_window") is not None or kwargs.get("output_attentions") or kwargs.get("is_causal") is False:
@@ -72,7 +76,7 @@ def eligible(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: fl
     if query.dim() != 4 or key.dim() != 4 or query.shape[0] != 1 or key.shape[0] != 1:
         return False
     heads, rows, size = query.shape[1:]
-    return (rows > 1 and key.shape[2] == rows and heads % key.shape[1] == 0 and size % LANES == 0
+    return (rows > 1 and key.shape[2] == cached + rows and heads % key.shape[1] == 0 and size % LANES == 0
             and key.shape[3] == size and available())
 
 

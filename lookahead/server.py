@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from .config import LookaheadConfig
+from .prompt_cache import PromptCache
 from .server_engine import (Completion, Delta, Engine, EngineBusy, EngineClosed, EngineError, JobSpec, JobStream,
                             NoChatTemplate, NoFimTokens)
 from .server_guard import LOOPBACK_HOSTS, RequestGuard, check_origin
@@ -56,6 +57,8 @@ class ServerSettings:
     cross-origin. Connections (see `server_http`): max_connections open at once; request_timeout: seconds a
     client has to send a complete request after connecting or after the previous response. cache_requests:
     whether requests go into the cross-request cache (False: it only drafts from what it holds, e.g. a datastore).
+    prompt_cache_bytes: bound of the prompt cache, the keys and values of the latest text reused by a request that
+    starts the same way (`prompt_cache`; 0: none).
     """
 
     model_name: str = DEFAULT_MODEL_NAME
@@ -69,6 +72,7 @@ class ServerSettings:
     max_connections: int = 64
     request_timeout: float = 10.0
     cache_requests: bool = True
+    prompt_cache_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -89,6 +93,8 @@ class ServerSettings:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+        if self.prompt_cache_bytes < 0:
+            raise ValueError(f"prompt_cache_bytes must be >= 0, got {self.prompt_cache_bytes}")
 
 
 def model_name_for(path: str | None) -> str:
@@ -147,14 +153,16 @@ class _Handlers:
         self.engine, self.settings, self.context_length = engine, settings, context_length
 
     async def health(self, request: Request) -> JSONResponse:
-        """`GET /health`: status, model, queued generations, suffix cache occupancy, the latest generation."""
+        """`GET /health`: status, model, queued generations, suffix and prompt cache occupancy, the latest
+        generation."""
         cache = self.engine.cache.info() if self.engine.cache is not None else None
+        prompts = self.engine.prompt_cache.info() if self.engine.prompt_cache is not None else None
         last = self.engine.last_completion
         latest = None if last is None else {"finish_reason": last.finish_reason, "prompt_tokens": last.prompt_tokens,
                                             "completion_tokens": last.completion_tokens,
                                             "lookahead": speculation_stats([last.stats])}
         return JSONResponse({"status": "ok", "model": self.settings.model_name, "queued": self.engine.queued,
-                             "suffix_cache": cache, "latest": latest})
+                             "suffix_cache": cache, "prompt_cache": prompts, "latest": latest})
 
     async def models(self, request: Request) -> JSONResponse:
         """`GET /v1/models`: the one served model."""
@@ -322,7 +330,9 @@ def create_app(model, tokenizer, settings: ServerSettings | None = None, cache: 
     """
     settings = settings or ServerSettings()
     context = settings.context_length or model.config.get_text_config().max_position_embeddings
-    engine = Engine(model, tokenizer, settings.config, cache, settings.max_queue, settings.cache_requests)
+    prompt_cache = PromptCache(settings.prompt_cache_bytes) if settings.prompt_cache_bytes else None
+    engine = Engine(model, tokenizer, settings.config, cache, settings.max_queue, settings.cache_requests,
+                    prompt_cache)
     handlers = _Handlers(engine, settings, context)
 
     @contextlib.asynccontextmanager

@@ -27,6 +27,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from .config import LookaheadConfig
 from .fim import describe_styles, fim_tokens
 from .hf import Lookahead
+from .prompt_cache import PromptCache
 from .recycle import RecycleTable
 from .server_logprobs import TokenLogprobs, token_logprobs
 from .server_text import StopText, TextStreamer, first_stop
@@ -96,6 +97,7 @@ class Completion:
     completion_tokens: int
     stats: DecodeStats
     logprobs: TokenLogprobs | None = None
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prompt cache
 
 
 @dataclass(frozen=True)
@@ -196,10 +198,12 @@ class Engine:
     single generation worker thread."""
 
     def __init__(self, model, tokenizer, config: LookaheadConfig, cache: SuffixCache | None, max_queue: int,
-                 cache_requests: bool = True):
+                 cache_requests: bool = True, prompt_cache: PromptCache | None = None):
         """cache: the cross-request drafter (None: none); cache_requests: whether each request's prompt + output
-        goes into it (False: it drafts from what it holds, e.g. a datastore, and learns nothing)."""
+        goes into it (False: it drafts from what it holds, e.g. a datastore, and learns nothing); prompt_cache:
+        the keys and values of the latest text, reused by a request that starts the same way (None: none)."""
         self.model, self.tokenizer, self.config, self.cache = model, tokenizer, config, cache
+        self.prompt_cache = prompt_cache
         self.cache_requests = cache_requests
         # Token recycling learns the model's own next-token predictions: kept across requests, like the cache.
         self.recycle_table = RecycleTable.for_config(config) if config.recycle_nodes else None
@@ -320,11 +324,15 @@ class Engine:
         decoder = Lookahead(config, shared_drafter=self.cache, recycle_table=self.recycle_table)
         streamer = TextStreamer(self.decode, spec.stops, lambda text: job.emit(Delta(index, text)))
         scored = {} if spec.logprobs is None else {"return_dict_in_generate": True, "output_logits": True}
+        kv, cached = self.prompt_cache.take(spec.input_ids) if self.prompt_cache is not None else (None, 0)
+        reuse = {} if kv is None else {"past_key_values": kv}
         output = self.model.generate(
             job.input_ids, attention_mask=torch.ones_like(job.input_ids), max_new_tokens=spec.max_new_tokens,
             stopping_criteria=criteria, custom_generate=decoder, lookahead_streamer=streamer,
-            **sampling_kwargs(spec.sampling), **scored)
+            **sampling_kwargs(spec.sampling), **scored, **reuse)
         sequences = output if spec.logprobs is None else output.sequences  # [1, L + n]
+        if kv is not None:
+            self.prompt_cache.keep(sequences[0].tolist(), kv)
         new = sequences[0, prompt_len:].tolist()
         if self.cache is not None and self.cache_requests:
             self.cache.add(sequences[0].cpu().numpy())
@@ -341,4 +349,4 @@ class Engine:
         if spec.logprobs is not None:
             with self._tokenizer_lock:
                 logprobs = token_logprobs(torch.cat(output.logits), new, spec.logprobs, self.tokenizer, text)
-        return Completion(text, reason, prompt_len, len(new), decoder.last_stats, logprobs)
+        return Completion(text, reason, prompt_len, len(new), decoder.last_stats, logprobs, cached)

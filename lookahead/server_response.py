@@ -73,19 +73,22 @@ class ResponseShape:
         """The `usage` and `lookahead` fields for the samples' `completions`."""
         returned = self.copies * sum(c.completion_tokens for c in completions)
         prompt = completions[0].prompt_tokens
-        return {"usage": {"prompt_tokens": prompt, "completion_tokens": returned, "total_tokens": prompt + returned},
+        cached = completions[0].cached_tokens  # the first sample's: the later ones reuse the prompt it computed
+        return {"usage": {"prompt_tokens": prompt, "completion_tokens": returned, "total_tokens": prompt + returned,
+                          "prompt_tokens_details": {"cached_tokens": cached}},
                 "lookahead": speculation_stats([c.stats for c in completions])}
 
 
 def speculation_stats(stats: list[DecodeStats]) -> dict:
     """The `lookahead` extra field of a response from its generations' `DecodeStats`: tokens per step and
-    friends, over all of them."""
+    friends, over all of them (`prefill_seconds`: their prompts' forwards, the time before the first token)."""
     total = DecodeStats(steps=sum(s.steps for s in stats), new_tokens=sum(s.new_tokens for s in stats),
                         step_tokens=sum(s.step_tokens for s in stats), total_time=sum(s.total_time for s in stats),
                         accepted_by_drafter=sum((s.accepted_by_drafter for s in stats), Counter()))
     return {"tokens_per_step": round(total.mean_tokens_per_step, 4), "steps": total.steps,
             "new_tokens": total.new_tokens, "tokens_per_second": round(total.tokens_per_second, 2),
-            "accepted_by_drafter": dict(total.accepted_by_drafter)}
+            "accepted_by_drafter": dict(total.accepted_by_drafter),
+            "prefill_seconds": round(sum(s.prefill_time for s in stats), 4)}
 
 
 def sse(obj: dict | str) -> bytes:

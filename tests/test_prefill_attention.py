@@ -158,3 +158,33 @@ def test_greedy_with_prefills_on_the_kernel_is_plain_greedy(family, monkeypatch)
         assert torch.equal(model.generate(prompt, do_sample=False, max_new_tokens=40, custom_generate=Lookahead()),
                            plain)
     assert counting.calls >= 3 * 3  # each generation's prefill: one call a layer
+
+
+@needs_avx512
+@torch.no_grad()
+def test_a_prompt_after_cached_positions_runs_on_the_kernel_unless_its_mask_is_not_causal(monkeypatch):
+    """The rest of a prompt after a reused cache: transformers passes the causal mask, the kernel computes it (SDPA's
+    logits to float32 rounding); a mask that hides one more key (a draft tree's) keeps SDPA, bit for bit."""
+    from transformers import DynamicCache
+
+    model = _wide_heads_model("llama")
+    prompt = repetitive_prompt(2, length=40)
+    plain = model(prompt).logits[:, 25:]
+    counting = _Counting(monkeypatch)
+    model.set_attn_implementation(attention.register())
+    cache = DynamicCache()
+    model(prompt[:, :25], past_key_values=cache, use_cache=True)
+    assert counting.calls == 3  # the first part: no mask
+    rest = model(prompt[:, 25:], past_key_values=cache, use_cache=True).logits
+    assert counting.calls == 6 and torch.allclose(rest, plain, atol=1e-5, rtol=1e-5)
+
+    visible = torch.ones(15, 40, dtype=torch.bool).tril(25)
+    visible[7, 30] = False  # row 7 no longer sees the new row 5: not the causal mask
+    mask = torch.zeros(1, 1, 15, 40).masked_fill(~visible, torch.finfo(torch.float32).min)
+    positions = torch.arange(25, 40)[None]
+    cache.crop(-15)
+    tree = model(prompt[:, 25:], attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+    cache.crop(-15)
+    model.set_attn_implementation("sdpa")
+    expected = model(prompt[:, 25:], attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+    assert counting.calls == 6 and torch.equal(tree, expected)

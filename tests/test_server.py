@@ -119,6 +119,8 @@ def test_settings_and_names():
         ServerSettings(max_queue=0)
     with pytest.raises(ValueError, match="context_length"):
         ServerSettings(context_length=1)
+    with pytest.raises(ValueError, match="prompt_cache_bytes"):
+        ServerSettings(prompt_cache_bytes=-1)
     assert model_name_for(None) == "smollm2-135m-instruct"
     assert model_name_for("/models/Qwen2.5-Coder-0.5B/") == "Qwen2.5-Coder-0.5B"
     assert model_name_for("/models/tiny-q4.gguf") == "tiny-q4"
@@ -404,6 +406,32 @@ def test_suffix_cache_speeds_up_a_similar_second_request(client, tiny, tokenizer
     second_rate = second.model_extra["lookahead"]["tokens_per_step"]
     assert second_rate >= max(2.5, 2 * first_rate), (first_rate, second_rate)
     assert second.model_extra["lookahead"]["accepted_by_drafter"].get("shared", 0) > 20
+
+
+def test_a_resent_prompt_reuses_the_keys_and_values_of_the_one_before(client, url, tiny, tokenizer):
+    prompt = [4100, 4200, 4300, 4400, 4500, 4600, 4700]
+    ids = _reference_ids(tiny, prompt, 12)
+    first = client.completions.create(model=NAME, prompt=prompt, max_tokens=12)
+    assert httpx.get(f"{url}/health").json()["prompt_cache"]["tokens"] == len(prompt) + 11
+    # The client sends the prompt again with 4 accepted tokens and one of its own typed in (as an editor does).
+    edited = prompt + ids[:4] + [(ids[4] + 1) % 1000]
+    second = client.completions.create(model=NAME, prompt=edited, max_tokens=12)
+    assert first.choices[0].text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert second.choices[0].text == tokenizer.decode(_reference_ids(tiny, edited, 12), skip_special_tokens=True)
+    assert second.usage.prompt_tokens_details.cached_tokens == len(prompt) + 4
+    assert second.model_extra["lookahead"]["prefill_seconds"] > 0
+    other = client.completions.create(model=NAME, prompt=[7] + prompt, max_tokens=4)  # nothing shared
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_no_prompt_cache_when_its_bound_is_zero(tiny, tokenizer):
+    app = create_app(tiny, tokenizer, ServerSettings(model_name=NAME, prompt_cache_bytes=0))
+    body = {"prompt": PROMPTS[4], "max_tokens": 4}
+    with _serving(app) as url:
+        answers = [httpx.post(f"{url}/v1/completions", json=body, timeout=60).json() for _ in range(2)]
+        assert httpx.get(f"{url}/health").json()["prompt_cache"] is None
+    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers] == [0, 0]
+    assert answers[0]["choices"] == answers[1]["choices"]
 
 
 def test_full_queue_answers_503(tiny, tokenizer, monkeypatch):
