@@ -111,7 +111,7 @@ def _run(model, ids: torch.Tensor, method: str, max_new_tokens: int, counter: Fo
     elif method.startswith("lookahead"):
         kwargs["custom_generate"] = Lookahead()
     if method == "lookahead_prompt_cache":
-        kv, cached = store.take(ids[0].tolist())
+        kv, cached = store.take(ids[0].tolist(), model.config)
         kwargs["past_key_values"] = kv
     run = timed_run(model, ids, method, max_new_tokens, counter, clock_first_token=True, **kwargs)
     if kv is not None:

@@ -36,18 +36,20 @@ class PromptCache:
         self._cache: DynamicCache | None = None
         self._lock = threading.Lock()
 
-    def take(self, input_ids: Sequence[int]) -> tuple[DynamicCache, int]:
+    def take(self, input_ids: Sequence[int], config) -> tuple[DynamicCache, int]:
         """A cache to generate from `input_ids` with and how many of its first tokens it already holds: the kept
         cache cropped to the longest start it shares with `input_ids` (all but the last token at most: the
-        prompt's last position must be forwarded for its logits), or a fresh `DynamicCache` and 0. The kept
-        cache is handed over (the generation grows it in place): nothing is kept until the next `keep`."""
+        prompt's last position must be forwarded for its logits), or a fresh `DynamicCache` for the model of
+        `config` (its layers made up front, as `generate` makes them, so lookahead can make them `SlabLayer`s) and
+        0. The kept cache is handed over (the generation grows it in place): nothing is kept until the next
+        `keep`."""
         with self._lock:
             ids, cache, self._ids, self._cache = self._ids, self._cache, None, None
-        if cache is None or len(input_ids) < 2:
-            return DynamicCache(), 0
-        shared = min(common_prefix(ids, np.asarray(input_ids, dtype=np.int64)), len(input_ids) - 1)
+        shared = 0
+        if cache is not None and len(input_ids) > 1:
+            shared = min(common_prefix(ids, np.asarray(input_ids, dtype=np.int64)), len(input_ids) - 1)
         if shared == 0:
-            return DynamicCache(), 0
+            return DynamicCache(config=config), 0
         cache.crop(shared - cache.get_seq_length())
         return cache, shared
 

@@ -324,7 +324,9 @@ class Engine:
         decoder = Lookahead(config, shared_drafter=self.cache, recycle_table=self.recycle_table)
         streamer = TextStreamer(self.decode, spec.stops, lambda text: job.emit(Delta(index, text)))
         scored = {} if spec.logprobs is None else {"return_dict_in_generate": True, "output_logits": True}
-        kv, cached = self.prompt_cache.take(spec.input_ids) if self.prompt_cache is not None else (None, 0)
+        kv, cached = None, 0
+        if self.prompt_cache is not None:
+            kv, cached = self.prompt_cache.take(spec.input_ids, self.model.config)
         reuse = {} if kv is None else {"past_key_values": kv}
         output = self.model.generate(
             job.input_ids, attention_mask=torch.ones_like(job.input_ids), max_new_tokens=spec.max_new_tokens,

@@ -11,6 +11,7 @@ from tiny_models import FUSED_ARCHITECTURES, build_tiny_model, fused_test_model,
 from transformers import DynamicCache
 
 from lookahead import Lookahead, LookaheadConfig, load_model
+from lookahead.cache_layer import SlabLayer
 from lookahead.prompt_cache import PromptCache, common_prefix, storage_bytes
 
 NEW = 16
@@ -72,13 +73,14 @@ def test_reused_prompts_forward_only_their_rest_and_decode_as_plain_greedy(name)
     model, store = MODELS[name], PromptCache(1 << 30)
     vocab = model.config.vocab_size
     ids = repetitive_prompt(3, vocab=vocab).tolist()[0]
-    cache, held = store.take(ids)
+    cache, held = store.take(ids, model.config)
     assert held == 0 and cache.get_seq_length() == 0
     first = generate(model, ids, cache)
     assert first == plain(model, ids)
+    assert all(type(layer) is SlabLayer for layer in cache.layers)  # made up front: lookahead's own layers
     assert store.keep(first, cache) and store.info()["tokens"] == len(first) - 1
     for what, prompt, expected in edits(first, vocab):
-        cache, held = store.take(prompt)
+        cache, held = store.take(prompt, model.config)
         assert held == expected == cache.get_seq_length(), what
         with forwarded(model) as lengths:
             out = generate(model, prompt, cache)
@@ -102,11 +104,11 @@ def test_seeded_sampling_draws_the_same_tokens_from_a_reused_prompt():
     model, store = MODELS["llama-fp64"], PromptCache(1 << 30)
     ids = repetitive_prompt(5).tolist()[0]
     sampled = LookaheadConfig(seed=11)
-    cache, _ = store.take(ids)
+    cache, _ = store.take(ids, model.config)
     first = generate(model, ids, cache, sampled, do_sample=True, top_k=0)
     store.keep(first, cache)
     prompt = first[:len(ids) + 3] + [1, 2]
-    cache, held = store.take(prompt)
+    cache, held = store.take(prompt, model.config)
     assert held == len(ids) + 3
     again = generate(model, prompt, cache, sampled, do_sample=True, top_k=0)
     assert again == generate(model, prompt, None, sampled, do_sample=True, top_k=0)
@@ -120,11 +122,11 @@ def test_the_default_model_reuses_an_edited_file():
     store = PromptCache(1 << 30)
     source = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
     ids = tokenizer(source).input_ids
-    cache, _ = store.take(ids)
+    cache, _ = store.take(ids, model.config)
     first = generate(model, ids, cache)
     store.keep(first, cache)
     for prompt in (first[:len(ids) + 6], tokenizer(tokenizer.decode(first[:len(ids) + 6]) + "  # edited\n").input_ids):
-        cache, held = store.take(prompt)
+        cache, held = store.take(prompt, model.config)
         assert held >= len(ids) - 1
         out = generate(model, prompt, cache)
         assert out == generate(model, prompt, None, LookaheadConfig.off())
@@ -139,7 +141,7 @@ def test_keep_refuses_what_a_generation_of_the_text_cannot_have_left():
     assert not store.keep(out[:10], cache)  # more slots than the text has tokens
     assert not PromptCache(storage_bytes(cache) - 1).keep(out, cache)  # above the bound
     assert not store.keep(out, DynamicCache())  # empty
-    assert store.take(out)[1] == 0
+    assert store.take(out, model.config)[1] == 0
     assert PromptCache(storage_bytes(cache)).keep(out, cache)
     with pytest.raises(ValueError, match="max_bytes"):
         PromptCache(0)
@@ -151,8 +153,8 @@ def test_take_hands_the_cache_over_and_needs_two_tokens():
     cache = DynamicCache()
     out = generate(model, ids, cache)
     store.keep(out, cache)
-    assert store.take(out[:1])[1] == 0  # one token: its logits need its own forward
-    assert store.take(out)[1] == 0  # handed over by the call before: nothing kept
+    assert store.take(out[:1], model.config)[1] == 0  # one token: its logits need its own forward
+    assert store.take(out, model.config)[1] == 0  # handed over by the call before: nothing kept
     assert store.info() == {"tokens": 0, "bytes": 0, "max_bytes": 1 << 30}
 
 
