@@ -5,7 +5,8 @@ most `max_queue` waiting behind the running one; more are refused with `EngineBu
 request's coroutine through an asyncio queue as soon as a step commits them; a client that disconnects sets
 its job's cancel flag, which a stopping criterion checks after every committed token; shutting down sets every
 job's flag. After each generation, prompt + output go into the `SuffixCache`, which drafts for later requests
-(editors re-send almost the same file on every keystroke).
+(editors re-send almost the same file on every keystroke), and their keys and values stay in the `PromptCache`,
+from which the next request that starts the same way forwards only the rest of its prompt.
 
 The engine knows nothing of HTTP: it raises `EngineError`s, which the app (`lookahead.server`) answers with
 status codes.
@@ -309,10 +310,23 @@ class Engine:
             self.last_completion = completion
             job.emit(Finished(index, completion))
 
+    def _generate_reusing(self, job: _Job, **kwargs):
+        """`model.generate(job's prompt, **kwargs)` from the prompt cache's keys and values where the prompt starts
+        as the latest text did, its own keys and values kept there afterwards; returns (the output, how many prompt
+        tokens were reused)."""
+        reuse, cached = {}, 0
+        if self.prompt_cache is not None:
+            reuse["past_key_values"], cached = self.prompt_cache.take(job.spec.input_ids, self.model.config)
+        output = self.model.generate(job.input_ids, attention_mask=torch.ones_like(job.input_ids), **kwargs, **reuse)
+        if reuse:
+            sequences = output if isinstance(output, torch.Tensor) else output.sequences  # [1, L + n]
+            self.prompt_cache.keep(sequences[0].tolist(), reuse["past_key_values"])
+        return output, cached
+
     def _sample(self, job: _Job, index: int) -> Completion:
-        """Run `model.generate` with lookahead for sample `index` of a job; feed the suffix cache; return the
-        `Completion`. With a seed, sample i is drawn with seed + i (so it is what a one-sample request with that
-        seed gets)."""
+        """Run `model.generate` with lookahead for sample `index` of a job (`_generate_reusing`); feed the suffix
+        cache; return the `Completion`. With a seed, sample i is drawn with seed + i (so it is what a one-sample
+        request with that seed gets)."""
         spec, prompt_len = job.spec, job.input_ids.shape[1]
         criteria = StoppingCriteriaList([_Cancelled(job.cancel)])
         if spec.stops:
@@ -324,17 +338,10 @@ class Engine:
         decoder = Lookahead(config, shared_drafter=self.cache, recycle_table=self.recycle_table)
         streamer = TextStreamer(self.decode, spec.stops, lambda text: job.emit(Delta(index, text)))
         scored = {} if spec.logprobs is None else {"return_dict_in_generate": True, "output_logits": True}
-        kv, cached = None, 0
-        if self.prompt_cache is not None:
-            kv, cached = self.prompt_cache.take(spec.input_ids, self.model.config)
-        reuse = {} if kv is None else {"past_key_values": kv}
-        output = self.model.generate(
-            job.input_ids, attention_mask=torch.ones_like(job.input_ids), max_new_tokens=spec.max_new_tokens,
-            stopping_criteria=criteria, custom_generate=decoder, lookahead_streamer=streamer,
-            **sampling_kwargs(spec.sampling), **scored, **reuse)
+        output, cached = self._generate_reusing(
+            job, max_new_tokens=spec.max_new_tokens, stopping_criteria=criteria, custom_generate=decoder,
+            lookahead_streamer=streamer, **sampling_kwargs(spec.sampling), **scored)
         sequences = output if spec.logprobs is None else output.sequences  # [1, L + n]
-        if kv is not None:
-            self.prompt_cache.keep(sequences[0].tolist(), kv)
         new = sequences[0, prompt_len:].tolist()
         if self.cache is not None and self.cache_requests:
             self.cache.add(sequences[0].cpu().numpy())
