@@ -22,7 +22,7 @@ from lookahead.cli.options import (arithmetic_options, build_config, check_datas
 @click.option("--cache-tokens", type=click.IntRange(min=0), default=1 << 16, show_default=True,
               help="Token budget of the cross-request suffix cache (LRU by request; 0 = off).")
 @click.option("--prompt-cache-mb", type=click.IntRange(min=0), default=1024, show_default=True,
-              help="Memory for the keys and values of the latest text, reused by a request that starts the same "
+              help="Memory for the keys and values of the latest texts, reused by a request that starts the same "
                    "way (an edited file, the next chat turn): only the rest of its prompt is forwarded (0 = off).")
 @click.option("--context-length", type=click.IntRange(min=2), default=None,
               help="Prompt + completion cap in tokens (default: the model's max_position_embeddings).")

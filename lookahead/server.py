@@ -57,8 +57,8 @@ class ServerSettings:
     cross-origin. Connections (see `server_http`): max_connections open at once; request_timeout: seconds a
     client has to send a complete request after connecting or after the previous response. cache_requests:
     whether requests go into the cross-request cache (False: it only drafts from what it holds, e.g. a datastore).
-    prompt_cache_bytes: bound of the prompt cache, the keys and values of the latest text reused by a request that
-    starts the same way (`prompt_cache`; 0: none).
+    prompt_cache_bytes: bound of the prompt cache, the keys and values of the latest texts reused by a request that
+    starts the same way as one of them (`prompt_cache`; 0: none).
     """
 
     model_name: str = DEFAULT_MODEL_NAME

@@ -202,7 +202,7 @@ class Engine:
                  cache_requests: bool = True, prompt_cache: PromptCache | None = None):
         """cache: the cross-request drafter (None: none); cache_requests: whether each request's prompt + output
         goes into it (False: it drafts from what it holds, e.g. a datastore, and learns nothing); prompt_cache:
-        the keys and values of the latest text, reused by a request that starts the same way (None: none)."""
+        the keys and values of the latest texts, reused by a request that starts the same way (None: none)."""
         self.model, self.tokenizer, self.config, self.cache = model, tokenizer, config, cache
         self.prompt_cache = prompt_cache
         self.cache_requests = cache_requests
@@ -312,7 +312,7 @@ class Engine:
 
     def _generate_reusing(self, job: _Job, **kwargs):
         """`model.generate(job's prompt, **kwargs)` from the prompt cache's keys and values where the prompt starts
-        as the latest text did, its own keys and values kept there afterwards; returns (the output, how many prompt
+        as a kept text does, its own keys and values kept there afterwards; returns (the output, how many prompt
         tokens were reused)."""
         reuse, cached = {}, 0
         if self.prompt_cache is not None:

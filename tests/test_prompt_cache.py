@@ -154,8 +154,68 @@ def test_take_hands_the_cache_over_and_needs_two_tokens():
     out = generate(model, ids, cache)
     store.keep(out, cache)
     assert store.take(out[:1], model.config)[1] == 0  # one token: its logits need its own forward
-    assert store.take(out, model.config)[1] == 0  # handed over by the call before: nothing kept
-    assert store.info() == {"tokens": 0, "bytes": 0, "max_bytes": 1 << 30}
+    assert store.take(out, model.config)[1] == len(out) - 1  # handed over: nothing kept
+    assert store.take(out, model.config)[1] == 0
+    assert store.info() == {"texts": 0, "tokens": 0, "bytes": 0, "max_bytes": 1 << 30}
+
+
+def test_two_files_alternating_each_reuse_their_own_text():
+    model, store = MODELS["llama"], PromptCache(1 << 30)
+    a, b = (repetitive_prompt(seed, length=30).tolist()[0] for seed in (8, 9))
+    assert a[0] != b[0]
+    outs = {}
+    for name, ids in (("a", a), ("b", b)):
+        cache, _ = store.take(ids, model.config)
+        outs[name] = generate(model, ids, cache)
+        store.keep(outs[name], cache)
+    assert store.info()["texts"] == 2
+    for name in ("a", "b", "a"):
+        prompt = outs[name][:len(outs[name]) - NEW + 3] + [5]
+        cache, held = store.take(prompt, model.config)
+        assert held == len(prompt) - 1, name
+        out = generate(model, prompt, cache)
+        assert out == plain(model, prompt)
+        store.keep(out, cache)
+        outs[name] = out
+    assert store.info()["texts"] == 2
+
+
+def test_a_short_shared_start_is_copied_and_the_long_text_stays():
+    """A conversation sharing only a system prompt with another: it gets a copy of that start, the other's
+    cache stays whole."""
+    model, store = MODELS["qwen2"], PromptCache(1 << 30)
+    first_ids = repetitive_prompt(10, length=40).tolist()[0]
+    cache, _ = store.take(first_ids, model.config)
+    first = generate(model, first_ids, cache)
+    store.keep(first, cache)
+    other = first[:6] + [(first[6] + 1) % 64] + first[20:30]
+    copy, held = store.take(other, model.config)
+    assert held == 6 and copy is not cache and cache.get_seq_length() == len(first) - 1
+    out = generate(model, other, copy)
+    assert out == plain(model, other)
+    store.keep(out, copy)
+    assert store.info()["texts"] == 2
+    again, held = store.take(first, model.config)
+    assert again is cache and held == len(first) - 1
+
+
+def test_the_least_recently_used_text_goes_first_and_a_text_is_kept_once():
+    model = MODELS["llama-fp64"]
+    kept = []
+    for seed in (11, 12):
+        ids = repetitive_prompt(seed).tolist()[0]
+        cache = DynamicCache(config=model.config)
+        kept.append((generate(model, ids, cache), cache))
+    sizes = [storage_bytes(cache) for _, cache in kept]
+    store = PromptCache(sum(sizes) - 1)
+    for out, cache in kept:
+        assert store.keep(out, cache)
+    assert store.info()["texts"] == 1 and store.info()["bytes"] == sizes[1]  # the first went
+    assert store.take(kept[0][0], model.config)[1] == 0
+    store = PromptCache(1 << 30)
+    for _ in range(2):
+        store.keep(*kept[0])
+    assert store.info()["texts"] == 1  # a kept text that the new one starts with goes
 
 
 @pytest.mark.parametrize("a, b, shared", [([], [1], 0), ([1, 2, 3], [1, 2, 3], 3), ([1, 2, 3], [1, 2], 2),
