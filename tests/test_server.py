@@ -425,6 +425,17 @@ def test_a_resent_prompt_reuses_the_keys_and_values_of_the_one_before(client, ur
     assert other.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_the_next_chat_turn_reuses_the_conversation_so_far(client, tiny, tokenizer):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    first = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And three more."}]
+    second = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert second.choices[0].message.content == _reference(tiny, tokenizer, text, 10)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens  # the first turn's prompt
+
+
 def test_no_prompt_cache_when_its_bound_is_zero(tiny, tokenizer):
     app = create_app(tiny, tokenizer, ServerSettings(model_name=NAME, prompt_cache_bytes=0))
     body = {"prompt": PROMPTS[4], "max_tokens": 4}
