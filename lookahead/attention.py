@@ -7,7 +7,9 @@ the CPU, a masked forward of a grouped-query model (the verification step) runs 
 more than the attention itself at 8–16 rows, and an unmasked one-row forward (plain decoding) makes the very SDPA
 call transformers' wrapper would make, without the wrapper's Python. A prompt's causal prefill on an AVX-512 CPU
 runs `prefill_attention`'s compiled kernel (~3x PyTorch's CPU flash attention there; the same attention, summed in
-another order). Everything else (other prefills, features such as a position bias) runs transformers' own SDPA
+another order), and so does the rest of a prompt after a reused cache, within `prompt_after_cache()` (its mask
+checked to be the causal one; verification steps never run there, so a draft tree shaped as a chain keeps the
+path every other tree takes). Everything else (other prefills, features such as a position bias) runs transformers' own SDPA
 attention unchanged. All compute the same attention, so choosing between them never changes what the model means.
 Triton is imported only on the kernel path, so the CPU path works without it. `tree_attention(model, choice)`
 switches a model to the backend for a block of code.
@@ -16,6 +18,7 @@ switches a model to the backend for a block of code.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from collections.abc import Iterator
 
@@ -37,8 +40,22 @@ FORCE_KERNEL = False
 # compare against SDPA).
 PREFILL_KERNEL = True
 
+# Set by `prompt_after_cache()`: the forward under way forwards the rest of a prompt after cached positions.
+_PROMPT_AFTER_CACHE = contextvars.ContextVar("lookahead_prompt_after_cache", default=False)
+
 # Attention features the kernel does not implement; a layer asking for one always runs SDPA.
 _KERNEL_UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux")
+
+
+@contextlib.contextmanager
+def prompt_after_cache() -> Iterator[None]:
+    """Within the block, a forward of several rows after cached positions is the rest of a prompt: where its mask is
+    the causal one, `prefill_attention`'s kernel computes it (as it computes a whole prompt)."""
+    token = _PROMPT_AFTER_CACHE.set(True)
+    try:
+        yield
+    finally:
+        _PROMPT_AFTER_CACHE.reset(token)
 
 
 def register() -> str:
@@ -143,14 +160,16 @@ def _prefill_eligible(module, query: torch.Tensor, key: torch.Tensor, attention_
                       kwargs: dict) -> bool:
     """Whether `prefill_attention` computes this call: a causal prefill it computes, none of the extras SDPA
     handles. A whole prompt comes without a mask (transformers' SDPA path takes it as causal: more than one row, a
-    causal layer); a prompt after cached positions (a reused prompt cache) with a mask, which must be the causal
-    one: every row sees every cached position, itself and the rows before it."""
+    causal layer); the rest of a prompt after cached positions (a reused prompt cache, inside `prompt_after_cache`)
+    with a mask, which must be the causal one: every row sees every cached position, itself and the rows before
+    it."""
     if query.shape[2] < 2 or not PREFILL_KERNEL:  # one-row steps: decided at once
         return False
     if not getattr(module, "is_causal", True) or _asks_extras(kwargs):
         return False
     cached = key.shape[2] - query.shape[2]
-    if attention_mask is not None and (cached <= 0 or not _causal_after_cache(attention_mask, query.shape[2], cached)):
+    if attention_mask is not None and not (_PROMPT_AFTER_CACHE.get() and cached > 0
+                                           and _causal_after_cache(attention_mask, query.shape[2], cached)):
         return False
     return prefill_attention.eligible(query, key, None, dropout, kwargs, cached if attention_mask is not None else 0)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .attention import prompt_after_cache
 from .budget import BatchPlanner
 from .cache import keep_rows_batched, keep_sequences
 from .config import LookaheadConfig
@@ -97,7 +98,8 @@ class Decoder:
                                                           next_sequence_length=request.uncached, **kwargs)
         logits = prefill_by_prompt(self.model, inputs, self.cache)  # [B / copies, V] or None: batched
         if logits is None:
-            logits = self.model(**inputs, return_dict=True).logits[:, -1]
+            with prompt_after_cache():  # the prompt's rest after a reused cache runs as a prefill too
+                logits = self.model(**inputs, return_dict=True).logits[:, -1]
         prompts = request.input_ids.cpu().numpy()
         if copies > 1:
             keep_sequences(self.cache, [b // copies for b in range(len(prompts))])

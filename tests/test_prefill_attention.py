@@ -163,8 +163,9 @@ def test_greedy_with_prefills_on_the_kernel_is_plain_greedy(family, monkeypatch)
 @needs_avx512
 @torch.no_grad()
 def test_a_prompt_after_cached_positions_runs_on_the_kernel_unless_its_mask_is_not_causal(monkeypatch):
-    """The rest of a prompt after a reused cache: transformers passes the causal mask, the kernel computes it (SDPA's
-    logits to float32 rounding); a mask that hides one more key (a draft tree's) keeps SDPA, bit for bit."""
+    """The rest of a prompt after a reused cache (inside `prompt_after_cache`; outside it, as a verification step,
+    SDPA): transformers passes the causal mask, the kernel computes it (SDPA's logits to float32 rounding); a mask
+    that hides one more key (a draft tree's) keeps SDPA, bit for bit."""
     from transformers import DynamicCache
 
     model = _wide_heads_model("llama")
@@ -175,7 +176,11 @@ def test_a_prompt_after_cached_positions_runs_on_the_kernel_unless_its_mask_is_n
     cache = DynamicCache()
     model(prompt[:, :25], past_key_values=cache, use_cache=True)
     assert counting.calls == 3  # the first part: no mask
-    rest = model(prompt[:, 25:], past_key_values=cache, use_cache=True).logits
+    outside = model(prompt[:, 25:], past_key_values=cache, use_cache=True).logits  # not a prompt's rest: SDPA
+    assert counting.calls == 3 and torch.allclose(outside, plain, atol=1e-5, rtol=1e-5)
+    cache.crop(-15)
+    with attention.prompt_after_cache():
+        rest = model(prompt[:, 25:], past_key_values=cache, use_cache=True).logits
     assert counting.calls == 6 and torch.allclose(rest, plain, atol=1e-5, rtol=1e-5)
 
     visible = torch.ones(15, 40, dtype=torch.bool).tril(25)
@@ -183,7 +188,8 @@ def test_a_prompt_after_cached_positions_runs_on_the_kernel_unless_its_mask_is_n
     mask = torch.zeros(1, 1, 15, 40).masked_fill(~visible, torch.finfo(torch.float32).min)
     positions = torch.arange(25, 40)[None]
     cache.crop(-15)
-    tree = model(prompt[:, 25:], attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+    with attention.prompt_after_cache():
+        tree = model(prompt[:, 25:], attention_mask=mask, position_ids=positions, past_key_values=cache).logits
     cache.crop(-15)
     model.set_attn_implementation("sdpa")
     expected = model(prompt[:, 25:], attention_mask=mask, position_ids=positions, past_key_values=cache).logits

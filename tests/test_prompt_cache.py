@@ -18,10 +18,11 @@ NEW = 16
 
 
 def _models():
-    """(name, model): every fused tiny architecture (fp32, the compiled steps) and other families (fp64)."""
+    """(name, model): every fused tiny architecture (fp32, the compiled steps) and other families (fp64), one with
+    sliding-window layers."""
     for name in FUSED_ARCHITECTURES:
         yield name, fused_test_model(name, seed=1)
-    for family in ("llama", "gpt2", "gemma"):
+    for family in ("llama", "gpt2", "gemma", "gemma3"):  # gemma3: sliding-window layers (a window of 16)
         yield f"{family}-fp64", build_tiny_model(family, dtype=torch.float64, seed=2)
 
 
