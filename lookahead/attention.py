@@ -9,9 +9,10 @@ call transformers' wrapper would make, without the wrapper's Python. A prompt's 
 runs `prefill_attention`'s compiled kernel (~3x PyTorch's CPU flash attention there; the same attention, summed in
 another order), and so does the rest of a prompt after a reused cache, within `prompt_after_cache()` (its mask
 checked to be the causal one; verification steps never run there, so a draft tree shaped as a chain keeps the
-path every other tree takes). Everything else (other prefills, features such as a position bias) runs transformers' own SDPA
-attention unchanged. All compute the same attention, so choosing between them never changes what the model means.
-Triton is imported only on the kernel path, so the CPU path works without it. `tree_attention(model, choice)`
+path every other tree takes). Everything else (other prefills, features such as a position bias) runs
+transformers' own SDPA attention unchanged. All compute the same attention, so choosing between them never changes
+what the model means. Triton is imported only on the kernel path, so the CPU path works without it.
+`tree_attention(model, choice)`
 switches a model to the backend for a block of code.
 """
 
