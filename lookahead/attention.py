@@ -12,8 +12,7 @@ checked to be the causal one; verification steps never run there, so a draft tre
 path every other tree takes). Everything else (other prefills, features such as a position bias) runs
 transformers' own SDPA attention unchanged. All compute the same attention, so choosing between them never changes
 what the model means. Triton is imported only on the kernel path, so the CPU path works without it.
-`tree_attention(model, choice)`
-switches a model to the backend for a block of code.
+`tree_attention(model, choice)` switches a model to the backend for a block of code.
 """
 
 from __future__ import annotations
