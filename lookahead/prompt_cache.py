@@ -2,7 +2,7 @@
 
 An editor sends the whole file up to the cursor on every keystroke pause and a chat client the whole conversation
 on every turn, so a request usually repeats most of an earlier one, and the prefill is most of its time: ~0.9 s
-for a 1 300-token file of the default model on the Zen 5 machine, against ~0.2 s for 64 new tokens after it.
+for a 1 300-token file of the default model on the Zen 5 machine, against ~0.3 s for 64 new tokens after it.
 `PromptCache` keeps what each generation left in its KV cache (the keys and values of the prompt and of the tokens
 it committed, in order) and gives the next generation the one that shares the longest start with its prompt,
 cut to that start; `generate` then forwards only the rest of the prompt (transformers' own way of continuing from
