@@ -1,6 +1,7 @@
-"""An editing session over long code files: time to the first token and to the whole completion, prompt cache on.
+"""An editing session over long code files and two-turn chats: time to the first token and to the whole request.
 
-    python benchmarks/bench_editing.py [--files 4] [--max-new-tokens 64] [--repeats 2] [--threads 2] [--out F.json]
+    python benchmarks/bench_editing.py [--files 4] [--chats 4] [--max-new-tokens 64] [--repeats 2] [--threads 2]
+        [--out F.json]
 
 A completion tool sends the whole file up to the cursor on every pause, so most of a request's time on a long file
 is its prompt's prefill. For each of `--files` long files (the `long_code` category: eight finished HumanEval
@@ -11,11 +12,15 @@ functions and a ninth to complete, 1180–1362 tokens) it replays four requests,
 3. request 2 with a comment line inserted in the middle of the file (an edit above the cursor);
 4. request 3 with Enter pressed at the end.
 
+A chat client sends the whole conversation every turn: for each of `--chats` two-turn MT-bench questions (the
+`chat` category), the first turn, then the second after the first answer (lookahead's, `--max-new-tokens` long).
+
 Each request runs with every method, in rotated order: plain HF greedy, HF prompt lookup, lookahead (a fresh
 prefill every time) and lookahead with the server's prompt cache (`lookahead.prompt_cache.PromptCache`, what
-`lookahead serve` does: the previous request's keys and values cropped to the start the two texts share). Every
-output is compared token for token with HF greedy's. The table gives the median over files and repetitions of
-the time to the first token and of the whole request, and the whole request's speed-up.
+`lookahead serve` does: the kept text sharing the longest start with the prompt, cut to that start), one prompt
+cache per session. Every output is compared token for token with HF greedy's. The table gives the median over
+sessions and repetitions of the time to the first token and of the whole request, and the whole request's
+speed-up.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import torch
 
 from harness import (ForwardCounter, command_line, machine_info, markdown_table, mark_identity, progress_bar,
                      rotated, timed_run, write_json)
-from prompts import load_prompts
+from prompts import load_prompts, second_turns
 
-REQUESTS = ("first send", "8 tokens accepted", "edited mid-file", "Enter pressed")
+EDITS = ("first send", "8 tokens accepted", "edited mid-file", "Enter pressed")
+TURNS = ("chat: first turn", "chat: second turn")
+REQUESTS = EDITS + TURNS
 METHODS = ("hf_greedy", "hf_prompt_lookup", "lookahead", "lookahead_prompt_cache")
 ACCEPTED = 8
 PROMPT_LOOKUP_TOKENS = 10  # HF's prompt lookup drafts (as bench_generate's default)
@@ -43,12 +50,16 @@ def main(argv: list[str] | None = None) -> None:
     import lookahead
 
     model, tokenizer = lookahead.load_model(None)
-    files = [p.text for p in load_prompts(["long_code"], args.files)]
+    files = [p.text for p in load_prompts(["long_code"], args.files)] if args.files else []
+    chats = load_prompts(["chat"], args.chats) if args.chats else []
     machine = machine_info(args.threads)
-    runs = run_sessions(model, tokenizer, files, args.max_new_tokens, args.repeats)
+    sessions = [file_session(model, tokenizer, file) for file in files]
+    sessions += [chat_session(model, tokenizer, prompt.text, turn, args.max_new_tokens)
+                 for prompt, turn in zip(chats, second_turns(chats))]
+    runs = run_sessions(model, sessions, args.max_new_tokens, args.repeats)
     result = {"command": command_line(), "model": "SmolLM2-135M-Instruct (default)", "machine": machine,
-              "settings": {"files": args.files, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-                           "dtype": "float32"},
+              "settings": {"files": args.files, "chats": args.chats, "max_new_tokens": args.max_new_tokens,
+                           "repeats": args.repeats, "dtype": "float32"},
               "runs": runs, "summary": summarize(runs)}
     print(format_table(result))
     if args.out:
@@ -56,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def session_texts(file: str, completion: str) -> list[str]:
-    """The four requests' texts (REQUESTS) for `file`, given the text of the first `ACCEPTED` tokens of its
+    """The four requests' texts (EDITS) for `file`, given the text of the first `ACCEPTED` tokens of its
     completion."""
     accepted = file + completion
     lines = accepted.split("\n")
@@ -65,28 +76,48 @@ def session_texts(file: str, completion: str) -> list[str]:
     return [file, accepted, edited, edited + "\n"]
 
 
-def run_sessions(model, tokenizer, files: list[str], max_new_tokens: int, repeats: int) -> list[dict]:
-    """Every file's session `repeats` times, each request with every method (rotated); one run record each."""
+def file_session(model, tokenizer, file: str) -> list[tuple[str, torch.Tensor]]:
+    """(request, prompt ids [1, L]) of the editing session over `file` (EDITS)."""
     from lookahead import Lookahead
 
-    sessions = []
-    for file in files:
-        ids = tokenizer(file, return_tensors="pt").input_ids
-        first = model.generate(ids, max_new_tokens=ACCEPTED, do_sample=False, custom_generate=Lookahead())
-        sessions.append(session_texts(file, tokenizer.decode(first[0, ids.shape[1]:])))
-    bar = progress_bar(len(files) * repeats * len(REQUESTS) * len(METHODS))
+    ids = tokenizer(file, return_tensors="pt").input_ids
+    first = model.generate(ids, max_new_tokens=ACCEPTED, do_sample=False, custom_generate=Lookahead())
+    texts = session_texts(file, tokenizer.decode(first[0, ids.shape[1]:]))
+    return [(request, tokenizer(text, return_tensors="pt").input_ids) for request, text in zip(EDITS, texts)]
+
+
+def chat_session(model, tokenizer, first: str, second: str, max_new_tokens: int) -> list[tuple[str, torch.Tensor]]:
+    """(request, prompt ids [1, L]) of a two-turn chat (TURNS): `first`, then `second` after the model's greedy
+    answer to `first` (`max_new_tokens` long, as the client shows it)."""
+    from lookahead import Lookahead
+
+    def encode(messages: list[dict]) -> torch.Tensor:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+
+    messages = [{"role": "user", "content": first}]
+    ids = encode(messages)
+    answer = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, custom_generate=Lookahead())
+    messages += [{"role": "assistant", "content": tokenizer.decode(answer[0, ids.shape[1]:], skip_special_tokens=True)},
+                 {"role": "user", "content": second}]
+    return [(TURNS[0], ids), (TURNS[1], encode(messages))]
+
+
+def run_sessions(model, sessions: list[list[tuple[str, torch.Tensor]]], max_new_tokens: int,
+                 repeats: int) -> list[dict]:
+    """Every session's requests `repeats` times, each with every method (rotated); one run record each."""
+    bar = progress_bar(repeats * sum(map(len, sessions)) * len(METHODS))
     runs = []
     with ForwardCounter(model) as counter:
         for repeat in range(repeats):
-            for index, texts in enumerate(sessions):
+            for index, session in enumerate(sessions):
                 store = _new_store()  # the server starts the session with nothing cached
-                for step, text in enumerate(texts):
-                    ids = tokenizer(text, return_tensors="pt").input_ids
+                for step, (request, ids) in enumerate(session):
                     group = [_run(model, ids, method, max_new_tokens, counter, store)
                              for method in rotated(METHODS, repeat + step + index)]
                     mark_identity(group)
                     for run in group:
-                        run.update(file=index, request=REQUESTS[step], repeat=repeat)
+                        run.update(session=index, request=request, repeat=repeat)
                         bar.update()
                     runs += group
     bar.close()
@@ -154,7 +185,8 @@ def format_table(result: dict) -> str:
                      first, whole, ratios, f"{same}/{compared}"])
     machine, settings = result["machine"], result["settings"]
     head = (f"CPU: {machine['cpu']} (flags {' '.join(machine['cpu_flags'])}), {machine['threads']} threads; "
-            f"{settings['files']} files, {settings['max_new_tokens']} new tokens, {settings['repeats']} repetitions; "
+            f"{settings['files']} files, {settings['chats']} chats, {settings['max_new_tokens']} new tokens, "
+            f"{settings['repeats']} repetitions; "
             f"medians in seconds, methods in the order {', '.join(METHODS)}\n\nCommand: `{result['command']}`\n")
     header = ["request", "prompt tokens", "reused", "first token (s)", "whole request (s)",
               "prompt cache vs HF greedy · HF PL · lookahead", "identical"]
@@ -165,13 +197,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=4)
+    parser.add_argument("--chats", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    if min(args.files, args.max_new_tokens, args.repeats, args.threads) < 1:
-        parser.error("--files, --max-new-tokens, --repeats and --threads must be at least 1")
+    if min(args.max_new_tokens, args.repeats, args.threads) < 1 or min(args.files, args.chats) < 0:
+        parser.error("--max-new-tokens, --repeats and --threads must be at least 1, --files and --chats at least 0")
+    if args.files + args.chats == 0:
+        parser.error("nothing to run: --files and --chats are both 0")
     return args
 
 

@@ -97,6 +97,20 @@ def prompt_index(categories, prompts_dir: str | Path = DEFAULT_PROMPTS_DIR) -> d
     return {prompt.id: prompt for name in categories for prompt in _category_prompts(name, prompts_dir)}
 
 
+def second_turns(prompts: list[Prompt], prompts_dir: str | Path = DEFAULT_PROMPTS_DIR) -> list[str]:
+    """The second user turn of each of `prompts` (chat-category prompts: MT-bench questions have two turns);
+    `ValueError` for a prompt without one."""
+    by_id = {item["id"]: item for group in _read_by_source(Path(prompts_dir) / CATEGORIES["chat"].file,
+                                                             MT_BENCH).values() for item in group}
+    turns = []
+    for prompt in prompts:
+        item = by_id.get(prompt.id)
+        if item is None or len(item["turns"]) < 2:
+            raise ValueError(f"prompt {prompt.id} has no second turn")
+        turns.append(item["turns"][1])
+    return turns
+
+
 def _category_prompts(name: str, prompts_dir: str | Path) -> list[Prompt]:
     """All prompts of suite category `name` in selection order; `ValueError` for an unknown category."""
     if name not in CATEGORIES:
