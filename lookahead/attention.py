@@ -163,13 +163,12 @@ def _prefill_eligible(module, query: torch.Tensor, key: torch.Tensor, attention_
     causal layer); the rest of a prompt after cached positions (a reused prompt cache, inside `prompt_after_cache`)
     with a mask, which must be the causal one: every row sees every cached position, itself and the rows before
     it."""
-    if query.shape[2] < 2 or not PREFILL_KERNEL:  # one-row steps: decided at once
-        return False
-    if not getattr(module, "is_causal", True) or _asks_extras(kwargs):
+    if query.shape[2] < 2 or (attention_mask is not None and not _PROMPT_AFTER_CACHE.get()):
+        return False  # one-row and verification steps: decided at once
+    if not PREFILL_KERNEL or not getattr(module, "is_causal", True) or _asks_extras(kwargs):
         return False
     cached = key.shape[2] - query.shape[2]
-    if attention_mask is not None and not (_PROMPT_AFTER_CACHE.get() and cached > 0
-                                           and _causal_after_cache(attention_mask, query.shape[2], cached)):
+    if attention_mask is not None and not (cached > 0 and _causal_after_cache(attention_mask, query.shape[2], cached)):
         return False
     return prefill_attention.eligible(query, key, None, dropout, kwargs, cached if attention_mask is not None else 0)
 
