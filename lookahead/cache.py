@@ -1,8 +1,10 @@
 """The only code touching KV-cache internals (with the layer class of `cache_layer.py`): keep the prefix plus the
-accepted rows of a step (per sequence of a batch), drop the rest; drop finished sequences from a batch."""
+accepted rows of a step (per sequence of a batch), drop the rest; drop finished sequences from a batch; how many
+cached tokens a new text shares (`common_prefix`)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer,
                                       get_layer_types_and_kwargs)
@@ -122,3 +124,10 @@ def _sync_length(layer) -> None:
     left its first chunk: `make_compactable`)."""
     if isinstance(layer, DynamicSlidingWindowLayer):
         layer.cumulative_length = layer.keys.shape[-2]
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many first tokens the 1-D id arrays `a` and `b` share (a cache of `a` holds that much of `b`)."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n

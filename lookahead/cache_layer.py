@@ -82,10 +82,14 @@ class SlabLayer(DynamicLayer):
     @classmethod
     def holding(cls, layer: DynamicLayer) -> "SlabLayer":
         """A `SlabLayer` holding `layer`'s states (moved into a slab at its next append)."""
+        return cls.of(layer.keys, layer.values) if layer.is_initialized else cls()
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, values: torch.Tensor) -> "SlabLayer":
+        """A `SlabLayer` holding `keys` and `values` `[B, H, slots, D]` (moved into a slab at its next append)."""
         slab = cls()
-        if layer.is_initialized:
-            slab.lazy_initialization(layer.keys, layer.values)
-            slab.keys, slab.values = layer.keys, layer.values
+        slab.lazy_initialization(keys, values)
+        slab.keys, slab.values = keys, values
         return slab
 
     def get_seq_length(self) -> int:

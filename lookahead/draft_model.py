@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .cache import common_prefix
 from .distributed import leader_value
 
 # (processed draft scores [V], absolute sequence index of the drafted token) -> (token, q or None).
@@ -61,7 +62,7 @@ class ModelDrafter:
             return NO_CHAIN
         start = time.perf_counter()
         visible = text[self.skip:]
-        keep = min(_common_prefix(self.cached, visible), len(visible) - 1)  # feed at least the root
+        keep = min(common_prefix(self.cached, visible), len(visible) - 1)  # feed at least the root
         self._rollback(keep)
         logits = self._forward(visible[keep:])
         chain: list[int] = []
@@ -96,13 +97,6 @@ class ModelDrafter:
         if self.process is None:
             return logits.float()
         return self.process(np.concatenate([text, np.asarray(chain, dtype=np.int64)]), logits)
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two 1-D arrays."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
 
 
 def check_draft_model(target, draft) -> None:

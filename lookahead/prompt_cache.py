@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from .cache import common_prefix
 from .cache_layer import SlabLayer
 
 
@@ -79,7 +80,7 @@ class PromptCache:
         storage passes `max_bytes`."""
         length = cache.get_seq_length()
         size = storage_bytes(cache)
-        if length == 0 or length > len(sequence) or _batch_size(cache) != 1 or size > self.max_bytes:
+        if length == 0 or length > len(sequence) or cache.layers[0].keys.shape[0] != 1 or size > self.max_bytes:
             return False
         ids = np.asarray(sequence[:length], dtype=np.int64)
         with self._lock:
@@ -97,13 +98,6 @@ class PromptCache:
                     "bytes": sum(t.size for t in self._texts), "max_bytes": self.max_bytes}
 
 
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """How many first tokens the id arrays `a` and `b` share."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
-
-
 def storage_bytes(cache: DynamicCache) -> int:
     """Bytes of the storage behind `cache`'s keys and values (a slab's whole capacity, each storage once)."""
     seen: dict[int, int] = {}
@@ -118,22 +112,6 @@ def storage_bytes(cache: DynamicCache) -> int:
 def _start_copy(cache: DynamicCache, length: int, config) -> DynamicCache:
     """A cache for the model of `config` holding a copy of the first `length` slots of `cache`'s `SlabLayer`s."""
     copy = DynamicCache(config=config)
-    copy.layers = [_layer_start(layer, length) for layer in cache.layers]
+    copy.layers = [SlabLayer.of(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone())
+                   for layer in cache.layers]
     return copy
-
-
-def _layer_start(layer: SlabLayer, length: int) -> SlabLayer:
-    """A `SlabLayer` holding a copy of `layer`'s first `length` slots."""
-    keys, values = layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone()
-    start = SlabLayer()
-    start.lazy_initialization(keys, values)
-    start.keys, start.values = keys, values
-    return start
-
-
-def _batch_size(cache: DynamicCache) -> int:
-    """The number of sequences `cache` holds (its first initialized layer's)."""
-    for layer in cache.layers:
-        if isinstance(layer.keys, torch.Tensor):
-            return layer.keys.shape[0]
-    return 0

@@ -312,16 +312,16 @@ class Engine:
 
     def _generate_reusing(self, job: _Job, **kwargs):
         """`model.generate(job's prompt, **kwargs)` from the prompt cache's keys and values where the prompt starts
-        as a kept text does, its own keys and values kept there afterwards; returns (the output, how many prompt
-        tokens were reused)."""
+        as a kept text does, its own keys and values kept there afterwards; returns (the output, its sequences
+        [1, L + n], how many prompt tokens were reused)."""
         reuse, cached = {}, 0
         if self.prompt_cache is not None:
             reuse["past_key_values"], cached = self.prompt_cache.take(job.spec.input_ids, self.model.config)
         output = self.model.generate(job.input_ids, attention_mask=torch.ones_like(job.input_ids), **kwargs, **reuse)
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences  # a dict output with logprobs
         if reuse:
-            sequences = output if isinstance(output, torch.Tensor) else output.sequences  # [1, L + n]
             self.prompt_cache.keep(sequences[0].tolist(), reuse["past_key_values"])
-        return output, cached
+        return output, sequences, cached
 
     def _sample(self, job: _Job, index: int) -> Completion:
         """Run `model.generate` with lookahead for sample `index` of a job (`_generate_reusing`); feed the suffix
@@ -338,10 +338,9 @@ class Engine:
         decoder = Lookahead(config, shared_drafter=self.cache, recycle_table=self.recycle_table)
         streamer = TextStreamer(self.decode, spec.stops, lambda text: job.emit(Delta(index, text)))
         scored = {} if spec.logprobs is None else {"return_dict_in_generate": True, "output_logits": True}
-        output, cached = self._generate_reusing(
+        output, sequences, cached = self._generate_reusing(
             job, max_new_tokens=spec.max_new_tokens, stopping_criteria=criteria, custom_generate=decoder,
             lookahead_streamer=streamer, **sampling_kwargs(spec.sampling), **scored)
-        sequences = output if spec.logprobs is None else output.sequences  # [1, L + n]
         new = sequences[0, prompt_len:].tolist()
         if self.cache is not None and self.cache_requests:
             self.cache.add(sequences[0].cpu().numpy())
