@@ -100,9 +100,9 @@ def test_weights_without_the_form_are_refused():
     assert affine_form(codes * 0.125 - 1.0) is not None  # the same codes with a float16 scale
 
 
-def _reference_first_fit(values, exact, offset, codes_range):
-    """`affine_weights._first_fit` as it was written first: every candidate tried on the blocks still open, gathered
-    by index from the start, all blocks at once."""
+def _reference_first_fit(values, exact, offset, codes_range, codes_dtype=torch.float32):
+    """`affine_weights._first_fit` as tensor operations: every candidate tried on the blocks still open, gathered by
+    index, all blocks at once."""
     values, offset, exact = (t.reshape(-1, *t.shape[2:]) for t in (values, offset, exact))
     half = exact.to(torch.float16)
     candidates = (half.float(), torch.nextafter(half, half.new_full((), float("inf"))).float(),
@@ -116,16 +116,14 @@ def _reference_first_fit(values, exact, offset, codes_range):
         scale[open_blocks[fits]], codes[open_blocks[fits]] = d[fits], q[fits]
         open_blocks = open_blocks[~fits]
         if not len(open_blocks):
-            return scale, codes
+            return scale, codes.to(codes_dtype)
     return None
 
 
-@pytest.mark.parametrize("chunk", [5, 64, affine_weights.FIT_CHUNK])
-def test_the_chunked_search_finds_the_reference_forms_bit_for_bit(chunk, monkeypatch):
-    """Chunk after chunk, with the first candidate on whole chunks, the search gives the very scales and codes of
-    the all-at-once search, zero blocks and blocks that need a float16 neighbour included, and refuses a weight
-    one of whose later chunks has no form."""
-    monkeypatch.setattr(affine_weights, "FIT_CHUNK", chunk)
+def test_the_compiled_search_finds_the_reference_forms_bit_for_bit(monkeypatch):
+    """The compiled search gives the very scales and codes of the search written as tensor operations, zero blocks,
+    blocks that need a float16 neighbour and the 8-bit form included, and refuses a weight one of whose last
+    blocks has no form."""
     weight = q4_1(torch.randn(40, 256, generator=torch.Generator().manual_seed(5)))
     weight[3] = 0.0  # blocks of zeros: d = 0
     seen = []
@@ -138,8 +136,11 @@ def test_the_chunked_search_finds_the_reference_forms_bit_for_bit(chunk, monkeyp
     for expected, found in seen:
         assert all(_bits_equal(a, b) for a, b in zip(expected, found))
     nudged = weight.clone()
-    nudged[39, 250] = torch.nextafter(nudged[39, 250], torch.tensor(float("inf")))  # in the last chunk
+    nudged[39, 250] = torch.nextafter(nudged[39, 250], torch.tensor(float("inf")))  # in the last block
     assert affine_form(nudged) is None and _reference_first_fit(*_search_inputs(nudged)) is None
+    signed = weight.clone()
+    signed[5, :32] = -0.0  # -0.0 + 0·d rounds to +0.0: the sign of zero is compared too, by both
+    assert affine_form(signed) is None and _reference_first_fit(*_search_inputs(signed)) is None
 
 
 def _needs_neighbours(n: int) -> torch.Tensor:
