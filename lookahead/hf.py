@@ -30,10 +30,11 @@ from .compat import check_transformers
 from .config import LookaheadConfig
 from .cost_curve import CostCurve
 from .decoder import Decoder
-from .distributed import agreement, leader_value
+from .distributed import agreement, is_leader, leader_value
 from .draft_model import check_draft_model
 from .head_files import configured_head
 from .lean_layers import lean_layers
+from .numba_cache import announce_compiling
 from .packed_linear import packed_linears
 from .recycle import RecycleTable
 from .recycle_prior import configured_prior
@@ -95,6 +96,7 @@ class Lookahead:
         """Decoding loop called by `generate`; returns what `generate` would (sequences or a dict output).
         Raises `compat.UnsupportedTransformers` on a transformers release lookahead does not support."""
         check_transformers()
+        announce_compiling(quiet=not is_leader())
         with _model_lock(model), generation_arithmetic(model, self.config):
             return self._generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                   lookahead_streamer, model_kwargs)

@@ -18,6 +18,7 @@ changed sources compile afresh into a folder of their own.
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 import numba
@@ -35,11 +36,25 @@ def source_digest(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def use_user_cache_dir() -> None:
+def use_user_cache_dir() -> bool:
     """Point numba's cache at `<lookahead cache>/numba/<source digest>` unless the user chose a folder
-    ($NUMBA_CACHE_DIR)."""
-    if not numba.config.CACHE_DIR:
-        numba.config.CACHE_DIR = str(cache_root() / SUBDIR / source_digest(Path(__file__).parent))
+    ($NUMBA_CACHE_DIR); whether that folder held no compiled code yet (False for a folder the user chose)."""
+    if numba.config.CACHE_DIR:
+        return False
+    folder = cache_root() / SUBDIR / source_digest(Path(__file__).parent)
+    numba.config.CACHE_DIR = str(folder)
+    return not any(folder.glob("*/*.nbc"))
 
 
-use_user_cache_dir()
+_fresh = use_user_cache_dir()
+
+
+def announce_compiling(quiet: bool = False) -> None:
+    """Once per process, when this installation's kernels have not been compiled yet (a new install or upgrade, or
+    a cleared cache): say on stderr that the first generation compiles them and how long that takes, so a silent
+    minute is not mistaken for a hang."""
+    global _fresh
+    if _fresh and not quiet:
+        print("lookahead: compiling its CPU kernels for this installation, once (1–2 minutes on a 2-core CPU; "
+              f"cached in {numba.config.CACHE_DIR})", file=sys.stderr)
+    _fresh = False

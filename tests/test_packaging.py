@@ -132,3 +132,38 @@ def test_numba_cache_folder_follows_the_package_sources(tmp_path):
     assert run.returncode == 0, run.stderr
     package, cache = run.stdout.split()
     assert Path(cache) == tmp_path / "numba" / source_digest(Path(package).parent)
+
+
+def test_a_fresh_kernel_cache_is_found_and_a_chosen_one_is_not(tmp_path, monkeypatch):
+    import numba
+
+    from lookahead import numba_cache
+
+    monkeypatch.setattr(numba_cache, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(numba.config, "CACHE_DIR", "")
+    assert numba_cache.use_user_cache_dir()  # nothing compiled in this installation's folder yet
+    folder = Path(numba.config.CACHE_DIR)
+    assert folder.parent == tmp_path / numba_cache.SUBDIR
+    (folder / "lookahead_0").mkdir(parents=True)
+    (folder / "lookahead_0" / "recycle._top_k-1.py311.1.nbc").write_bytes(b"")
+    monkeypatch.setattr(numba.config, "CACHE_DIR", "")
+    assert not numba_cache.use_user_cache_dir()  # compiled before
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path / "mine"))
+    assert not numba_cache.use_user_cache_dir()  # the user's own folder: nothing is known of it
+
+
+def test_the_first_generation_says_once_that_it_compiles_the_kernels(monkeypatch, capsys):
+    from tiny_models import build_tiny_model, repetitive_prompt
+
+    from lookahead import Lookahead, numba_cache
+
+    model = build_tiny_model()
+    monkeypatch.setattr(numba_cache, "_fresh", True)
+    for _ in range(2):
+        model.generate(repetitive_prompt(0), max_new_tokens=3, do_sample=False, custom_generate=Lookahead())
+    said = capsys.readouterr().err
+    assert said.count("lookahead: compiling its CPU kernels for this installation, once") == 1
+    monkeypatch.setattr(numba_cache, "_fresh", True)
+    numba_cache.announce_compiling(quiet=True)  # a tensor-parallel rank other than the leader
+    numba_cache.announce_compiling()
+    assert "compiling" not in capsys.readouterr().err
