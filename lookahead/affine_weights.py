@@ -67,13 +67,13 @@ def _blocks_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def _first_fit(values: torch.Tensor, exact: torch.Tensor, offset: torch.Tensor, codes_range: tuple[int, int],
-               codes_dtype: torch.dtype = torch.float32):
+               codes_dtype: torch.dtype):
     """(d, q) per block of `values` [N, B, 32] with values == fma(q, d, offset) bit for bit, q in `codes_range` (as
     `codes_dtype`), d the first candidate that fits: float16(exact) or one of its two float16 neighbours (`exact`
     [N, B, 1] in float64) — float16 values only, so that d·q is exact and rounding d·q + offset once is the kernel's
-    fma. None when some block has no fitting candidate. The candidates are computed here for every block at once, the blocks are tried
-    in one compiled pass (`_fit_blocks`: the default model's 210 layer weights in ~0.2 s on the 2-core AVX2 machine,
-    where the same search as a dozen tensor operations a chunk took ~1.5 s)."""
+    fma. None when some block has no fitting candidate. The candidates are computed here for every block at once,
+    the blocks tried in one compiled pass (`_fit_blocks`: the default model's 210 layer weights in ~0.2 s on the
+    2-core AVX2 machine, where the same search as a dozen tensor operations a chunk took ~1.5 s)."""
     values, offset, exact = (t.reshape(-1, *t.shape[2:]) for t in (values, offset, exact))
     half = exact.to(torch.float16)
     candidates = torch.cat([half, torch.nextafter(half, half.new_full((), float("inf"))),

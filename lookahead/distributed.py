@@ -32,7 +32,7 @@ def tensor_parallel(model) -> bool:
     Raises `ValueError` for a tensor-parallel degree smaller than the world (tensor parallelism combined with
     data parallelism): lookahead broadcasts over the whole world and would mix the data-parallel groups."""
     size = int(getattr(model, "tp_size", None) or 1)
-    if size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if size <= 1 or not _group_up():
         return False
     world = torch.distributed.get_world_size()
     if size != world:
@@ -78,6 +78,17 @@ def is_leader() -> bool:
     return not active() or torch.distributed.get_rank() == 0
 
 
+def follower_process() -> bool:
+    """Whether this process is a rank other than 0 of an initialised process group, inside a generation or not
+    (`is_leader` answers for the generation in `agreement` only)."""
+    return _group_up() and torch.distributed.get_rank() != 0
+
+
+def _group_up() -> bool:
+    """Whether torch.distributed has an initialised process group."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def leader_value(value: T) -> T:
     """`value` as rank 0 holds it (every rank must call this at the same point), or `value` itself outside
     tensor parallelism. Floats travel as one float64 tensor; anything else pickled."""
@@ -95,7 +106,7 @@ def release_process_group() -> None:
     barrier, so that the process exits cleanly: a gloo group left up at interpreter exit can abort the process
     ("terminate called without an active exception", seen once in CI after `lookahead generate --tp` had printed
     its output). Every rank must call it; nothing happens without a process group."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if _group_up():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 

@@ -25,16 +25,16 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .argmax_head import argmax_logits
 from .attention import tree_attention
 from .cache import make_compactable
-from .calibration import cost_curve_for
+from .calibration import cost_curve_for, say
 from .compat import check_transformers
 from .config import LookaheadConfig
 from .cost_curve import CostCurve
 from .decoder import Decoder
-from .distributed import agreement, leader_value
+from .distributed import agreement, follower_process, leader_value
 from .draft_model import check_draft_model
 from .head_files import configured_head
 from .lean_layers import lean_layers
-from .numba_cache import announce_compiling
+from .numba_cache import compiling_notice
 from .packed_linear import packed_linears
 from .recycle import RecycleTable
 from .recycle_prior import configured_prior
@@ -96,7 +96,9 @@ class Lookahead:
         """Decoding loop called by `generate`; returns what `generate` would (sequences or a dict output).
         Raises `compat.UnsupportedTransformers` on a transformers release lookahead does not support."""
         check_transformers()
-        announce_compiling(quiet=_distributed_follower())
+        notice = compiling_notice()
+        if notice:
+            say(follower_process(), notice)
         with _model_lock(model), generation_arithmetic(model, self.config):
             return self._generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                   lookahead_streamer, model_kwargs)
@@ -149,11 +151,6 @@ class Lookahead:
         if self.fixed_curve is not None:
             return replace(self.fixed_curve, batch=batch)
         return leader_value(cost_curve_for(model, batch=batch))  # one curve for all tensor-parallel ranks
-
-
-def _distributed_follower() -> bool:
-    """Whether this process is a torch.distributed rank other than 0 (its notices would repeat rank 0's)."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ changed sources compile afresh into a folder of their own.
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 
 import numba
@@ -49,12 +48,13 @@ def use_user_cache_dir() -> bool:
 _fresh = use_user_cache_dir()
 
 
-def announce_compiling(quiet: bool = False) -> None:
+def compiling_notice() -> str | None:
     """Once per process, when this installation's kernels have not been compiled yet (a new install or upgrade, or
-    a cleared cache): say on stderr that the first generation compiles them and how long that takes, so a silent
-    minute is not mistaken for a hang."""
+    a cleared cache): the one-line notice that the first generation compiles them and how long that takes, so a
+    silent minute is not mistaken for a hang; None otherwise."""
     global _fresh
-    if _fresh and not quiet:
-        print("lookahead: compiling its CPU kernels for this installation, once (1–2 minutes on a 2-core CPU; "
-              f"cached in {numba.config.CACHE_DIR})", file=sys.stderr)
-    _fresh = False
+    fresh, _fresh = _fresh, False
+    if not fresh:
+        return None
+    return ("lookahead: compiling its CPU kernels for this installation, once (1–2 minutes on a 2-core CPU; "
+            f"cached in {numba.config.CACHE_DIR})")

@@ -155,7 +155,7 @@ def test_a_fresh_kernel_cache_is_found_and_a_chosen_one_is_not(tmp_path, monkeyp
 def test_the_first_generation_says_once_that_it_compiles_the_kernels(monkeypatch, capsys):
     from tiny_models import build_tiny_model, repetitive_prompt
 
-    from lookahead import Lookahead, numba_cache
+    from lookahead import Lookahead, hf, numba_cache
 
     model = build_tiny_model()
     monkeypatch.setattr(numba_cache, "_fresh", True)
@@ -164,6 +164,7 @@ def test_the_first_generation_says_once_that_it_compiles_the_kernels(monkeypatch
     said = capsys.readouterr().err
     assert said.count("lookahead: compiling its CPU kernels for this installation, once") == 1
     monkeypatch.setattr(numba_cache, "_fresh", True)
-    numba_cache.announce_compiling(quiet=True)  # a tensor-parallel rank other than the leader
-    numba_cache.announce_compiling()
+    monkeypatch.setattr(hf, "follower_process", lambda: True)  # a torch.distributed rank other than 0
+    model.generate(repetitive_prompt(0), max_new_tokens=3, do_sample=False, custom_generate=Lookahead())
+    assert numba_cache.compiling_notice() is None  # the notice is taken once per process, said or not
     assert "compiling" not in capsys.readouterr().err
