@@ -209,6 +209,19 @@ def test_the_int8_kernel_converts_each_weight_vector_once():
         assert fmas == 1 * (together + 1) + 2 * (together + 1)  # one per row and panel
 
 
+def test_int8_passes_of_several_panels_prefetch_the_next_pass_where_measured_faster():
+    """AVX2 (8 floats): a pass of 3 int8 panels prefetches each panel's step 3 panels (3 · K vectors of 8 bytes)
+    further, the panel left over its usual distance; AVX-512 keeps the usual distance everywhere."""
+    for width, together in ((8, 3), (16, 6)):
+        ir = streamed_gemm.kernel_ir(1, width, weights="int8")
+        next_pass = streamed_gemm.INT8_PREFETCH_NEXT_PASS[width]
+        assert ir.count(f"mul i64 %K, {together * width}") == (1 if next_pass else 0)
+        usual = f"i64 {streamed_gemm.PREFETCH_STEPS * width * 4}\n"
+        prefetches = ir.count("@llvm.prefetch.p0(")
+        assert prefetches == together + 1
+        assert (ir + "\n").count(usual) == (1 if next_pass else together + 1)
+
+
 @needs_kernel
 @pytest.mark.parametrize("weights", ["float32", "int8"])
 @pytest.mark.parametrize("columns", [8, 4 * 8 + 3, 7 * 16, 15 * 16 + 3, 29 * 16])
