@@ -35,6 +35,8 @@ from harness import (ForwardCounter, command_line, machine_info, markdown_table,
                      rotated, timed_run, write_json)
 from prompts import load_prompts, second_turns
 
+from lookahead.compat import CACHE_KWARG
+
 EDITS = ("first send", "8 tokens accepted", "edited mid-file", "Enter pressed")
 TURNS = ("chat: first turn", "chat: second turn")
 REQUESTS = EDITS + TURNS
@@ -143,7 +145,7 @@ def _run(model, ids: torch.Tensor, method: str, max_new_tokens: int, counter: Fo
         kwargs["custom_generate"] = Lookahead()
     if method == "lookahead_prompt_cache":
         kv, cached = store.take(ids[0].tolist(), model.config)
-        kwargs["past_key_values"] = kv
+        kwargs[CACHE_KWARG] = kv
     run = timed_run(model, ids, method, max_new_tokens, counter, clock_first_token=True, **kwargs)
     if kv is not None:
         store.keep(ids[0].tolist() + run["tokens"], kv)

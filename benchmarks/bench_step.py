@@ -49,6 +49,8 @@ import torch
 
 from harness import command_line, cpu_flags, load_target, machine_info, rows_parser, write_json
 
+from lookahead.compat import CACHE_KWARG
+
 LINEAR_KINDS = {"q_proj": "attn q/k/v", "k_proj": "attn q/k/v", "v_proj": "attn q/k/v", "qkv_proj": "attn q/k/v",
                 "o_proj": "attn o", "gate_proj": "mlp gate/up", "up_proj": "mlp gate/up",
                 "gate_up_proj": "mlp gate/up", "down_proj": "mlp down", "lm_head": "lm head"}
@@ -90,7 +92,7 @@ def measure(model, args) -> dict:
     caches = {}
     for kind in ("plain", "generation"):  # plain HF's cache, and lookahead's (appends into a slab, as generation)
         caches[kind] = DynamicCache(config=model.config)
-        model(prompt, past_key_values=caches[kind], use_cache=True, logits_to_keep=1)
+        model(prompt, **{CACHE_KWARG: caches[kind]}, use_cache=True, logits_to_keep=1)
     make_compactable(caches["generation"], model.config, args.prefix + max(args.rows) + 1)
     samples = {v: {k: {} for k in args.rows} for v in args.variants}
     packed_sets: dict = {}
@@ -201,7 +203,7 @@ def one_step(model, cache, prefix: int, k: int, vocab: int, timer) -> dict:
     if timer is not None:
         timer.reset()
     model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, attention_mask=inputs.attention_mask,
-          past_key_values=cache, use_cache=True)
+          **{CACHE_KWARG: cache}, use_cache=True)
     t2 = time.perf_counter()
     keep_rows(cache, prefix, list(range(0, k, 2)))  # a non-prefix set: the gather path
     t3 = time.perf_counter()

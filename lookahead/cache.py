@@ -10,6 +10,7 @@ from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, Dynamic
                                       get_layer_types_and_kwargs)
 
 from .cache_layer import SlabLayer
+from .compat import CACHE_KWARG
 
 
 def make_compactable(cache: Cache, config, max_slots: int, batch_size: int = 1) -> None:
@@ -26,7 +27,7 @@ def make_compactable(cache: Cache, config, max_slots: int, batch_size: int = 1) 
     """
     if not isinstance(cache, DynamicCache):
         raise ValueError(f"lookahead needs a DynamicCache, got {type(cache).__name__}; "
-                         "remove cache_implementation= / past_key_values= from the generate call")
+                         f"remove cache_implementation= / {CACHE_KWARG}= from the generate call")
     layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     for i, layer in enumerate(cache.layers):
         kind = layer_types[i] if i < len(layer_types) else "full_attention"
@@ -44,7 +45,7 @@ def make_compactable(cache: Cache, config, max_slots: int, batch_size: int = 1) 
 def _growing_copy(layer: DynamicSlidingWindowLayer) -> SlabLayer:
     """A growing layer holding the states of `layer`, which must not have evicted any yet."""
     if layer.is_initialized and layer.get_seq_length() != layer.keys.shape[-2]:
-        raise ValueError(f"past_key_values holds a sliding-window layer that has dropped tokens (it saw "
+        raise ValueError(f"the cache holds a sliding-window layer that has dropped tokens (it saw "
                          f"{layer.get_seq_length()}, keeps {layer.keys.shape[-2]}); lookahead needs every token "
                          "cached: pass DynamicCache() (no config) or no cache")
     return SlabLayer.holding(layer)

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import torch
 
+from .compat import CACHE_KWARG
 from .cost_curve import CURVE_PREFIXES, CURVE_SIZES, CostCurve, conservative_curve, implausible
 from .distributed import is_leader, leader_value
 from .paths import cache_dir
@@ -155,7 +156,7 @@ def _measure_at(model, sizes: tuple[int, ...], prefix_len: int, repeats: int, ba
     prompt = torch.randint(0, vocab, (batch, prefix_len), generator=generator).to(model.device)
     cache = DynamicCache(config=model.config)
     make_compactable(cache, model.config, max_slots=0)  # as generation keeps it: sliding layers keep every slot
-    model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(prompt, **{CACHE_KWARG: cache}, use_cache=True, logits_to_keep=1)
     for k in sizes:  # warm-up: first calls of a shape pay for kernel selection and allocation
         _time_rows(model, cache, prefix_len, k, vocab)
     times = {k: [] for k in sizes}
@@ -180,7 +181,7 @@ def _time_rows(model, cache, prefix_len: int, rows: int, vocab: int) -> float:
     mask = None if rows == 1 else torch.zeros(batch, 1, rows, prefix_len + rows, dtype=model.dtype,
                                               device=model.device)
     start = time.perf_counter()
-    model(ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+    model(ids, position_ids=positions, attention_mask=mask, **{CACHE_KWARG: cache}, use_cache=True)
     elapsed = time.perf_counter() - start
     cache.crop(-rows)
     return elapsed

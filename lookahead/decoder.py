@@ -12,6 +12,7 @@ import torch
 from .attention import prompt_after_cache
 from .budget import BatchPlanner
 from .cache import keep_rows_batched, keep_sequences
+from .compat import CACHE_KWARG
 from .config import LookaheadConfig
 from .hidden_tap import hidden_tap
 from .layout import pack_batch, sliding_window
@@ -48,7 +49,7 @@ class Decoder:
 
     def __init__(self, model, config: LookaheadConfig, request: DecodeRequest):
         self.model, self.config, self.request = model, config, request
-        self.cache = request.prompt_kwargs["past_key_values"]  # checked compactable at the boundary (hf.py)
+        self.cache = request.prompt_kwargs[CACHE_KWARG]  # checked compactable at the boundary (hf.py)
         self.device = request.input_ids.device
         self.stats = DecodeStats()
         self.sequences: list[Sequence] = []
@@ -132,7 +133,7 @@ class Decoder:
                             self.model.dtype, self.device, self.window)
         t1 = time.perf_counter()
         logits = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                            attention_mask=inputs.attention_mask, past_key_values=self.cache,
+                            attention_mask=inputs.attention_mask, **{CACHE_KWARG: self.cache},
                             use_cache=True, return_dict=True).logits  # [B, T, V]
         t2 = time.perf_counter()
         hidden = self.tap.last() if self.tap is not None else None  # [B, T, size]: the LM head's input

@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .cache import common_prefix
+from .compat import CACHE_KWARG
 from .distributed import leader_value
 
 # (processed draft scores [V], absolute sequence index of the drafted token) -> (token, q or None).
@@ -89,7 +90,7 @@ class ModelDrafter:
     def _forward(self, tokens: np.ndarray) -> torch.Tensor:
         """Append `tokens` to the draft cache; returns the raw logits [V] after the last one."""
         ids = torch.from_numpy(tokens).to(self.model.device).view(1, -1)
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, **{CACHE_KWARG: self.cache}, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1]
 
     def _scores(self, text: np.ndarray, chain: list[int], logits: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from .compat import CACHE_KWARG, pop_cache
 from .fused_kernels import decoder_stack
 from .fused_layer import _ATTENTIONS, FusedLayer, _plane, batch_step_mask, compiled_threads, slab_layer
 from .packed_linear import weights_stamp
@@ -68,16 +69,18 @@ class FusedStack:
                 and all(f.layer_idx == i for i, f in enumerate(fused)) and all(w is None for w in windows))
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None, past_key_values=None, inputs_embeds=None,
-                 use_cache: bool | None = None, **kwargs):
-        """The stack's output for `input_ids` `[1, T]`, as the model's own forward computes it (its layers fused)."""
+                 position_ids: torch.Tensor | None = None, inputs_embeds=None, use_cache: bool | None = None,
+                 **kwargs):
+        """The stack's output for `input_ids` `[1, T]`, as the model's own forward computes it (its layers fused;
+        the cache comes in `kwargs` by either of its names, `compat.pop_cache`)."""
+        past_key_values = pop_cache(kwargs)
         out = None
         if inputs_embeds is None and input_ids is not None and use_cache:
             out = self._step(input_ids, attention_mask, position_ids, past_key_values, kwargs)
         if out is None:
             return self.own_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                    past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                                    use_cache=use_cache, **kwargs)
+                                    inputs_embeds=inputs_embeds, use_cache=use_cache,
+                                    **{CACHE_KWARG: past_key_values}, **kwargs)
         return out
 
     def _step(self, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor | None, past_key_values,
@@ -111,7 +114,7 @@ class FusedStack:
                             folded_sin, slabs, capacities, start, mask, self.fused[0].attention_loops,
                             batch)  # [B · T, size]
         return BaseModelOutputWithPast(last_hidden_state=self._norm(torch.from_numpy(out).view(batch, rows, -1)),
-                                       past_key_values=past_key_values)
+                                       **{CACHE_KWARG: past_key_values})
 
     def _rope(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """(cos, folded sin) `[B · T, D]` for the step's rows: from the RoPE table where the model's rotary module

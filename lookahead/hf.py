@@ -26,7 +26,7 @@ from .argmax_head import argmax_logits
 from .attention import tree_attention
 from .cache import make_compactable
 from .calibration import cost_curve_for, say
-from .compat import check_transformers
+from .compat import CACHE_KWARG, check_transformers
 from .config import LookaheadConfig
 from .cost_curve import CostCurve
 from .decoder import Decoder
@@ -108,7 +108,7 @@ class Lookahead:
         """The body of `__call__`, run with the linear layers chosen by the config."""
         _check_generation_config(generation_config, input_ids)
         max_slots = generation_config.max_length + self.config.tree_budget + self.config.window_size
-        make_compactable(model_kwargs.get("past_key_values"), model.config, max_slots, input_ids.shape[0])
+        make_compactable(model_kwargs.get(CACHE_KWARG), model.config, max_slots, input_ids.shape[0])
         if self.draft_model is not None:
             check_draft_model(model, self.draft_model)
         if lookahead_streamer is not None:
@@ -138,7 +138,7 @@ class Lookahead:
         if not generation_config.return_dict_in_generate:
             return sequences
         scores, logits = decoder.step_outputs(sequences) if request.record_scores else (None, None)
-        return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=decoder.cache,
+        return GenerateDecoderOnlyOutput(sequences=sequences, **{CACHE_KWARG: decoder.cache},
                                          scores=scores if generation_config.output_scores else None,
                                          logits=logits if generation_config.output_logits else None)
 
@@ -185,11 +185,11 @@ def chosen_row_kernels(model, config: LookaheadConfig, refresh: bool = False) ->
 
 
 def _uncached_length(model, input_ids: torch.Tensor, config: GenerationConfig, model_kwargs: dict) -> int | None:
-    """How many of each prompt's last tokens are not in the cache the caller passed (`past_key_values`), when the
-    prompt repeats the cached ones — None: feed the whole prompt. transformers' own prefill slices the same way: a
-    prompt as long as the attention mask (or its recorded length once an all-ones mask was dropped) restarts from
-    the cache and only its uncached tail is forwarded; inputs_embeds always hold the whole sequence."""
-    cache = model_kwargs.get("past_key_values")
+    """How many of each prompt's last tokens are not in the cache the caller passed (`model_kwargs[CACHE_KWARG]`),
+    when the prompt repeats the cached ones — None: feed the whole prompt. transformers' own prefill slices the same
+    way: a prompt as long as the attention mask (or its recorded length once an all-ones mask was dropped) restarts
+    from the cache and only its uncached tail is forwarded; inputs_embeds always hold the whole sequence."""
+    cache = model_kwargs.get(CACHE_KWARG)
     if cache is None:
         return None
     cached = cache.get_seq_length()

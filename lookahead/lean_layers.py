@@ -36,6 +36,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import fused_stack
+from .compat import CACHE_KWARG, pop_cache
 from .fused_layer import FusedLayer
 from .packed_linear import FusedMember, PackedLinear, _linear, linear_parts
 from .rope_table import fold_sin
@@ -143,13 +144,15 @@ class LeanForward:
                                     (self.input_norm.eps, self.post_norm.eps))
 
     def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
+                 position_ids: torch.Tensor | None = None, use_cache: bool | None = False,
                  position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
-        """The layer's output for `hidden_states` `[B, T, hidden]`, as the layer's own forward computes it."""
+        """The layer's output for `hidden_states` `[B, T, hidden]`, as the layer's own forward computes it (the
+        cache comes in `kwargs` by either of its names, `compat.pop_cache`)."""
+        past_key_values = pop_cache(kwargs)
         if not self._handles(hidden_states, position_embeddings, kwargs):
             return self.own_forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                    past_key_values=past_key_values, use_cache=use_cache,
-                                    position_embeddings=position_embeddings, **kwargs)
+                                    use_cache=use_cache, position_embeddings=position_embeddings,
+                                    **{CACHE_KWARG: past_key_values}, **kwargs)
         if self.fused is not None:
             out = self.fused(hidden_states, attention_mask, past_key_values, *self.rotary(position_embeddings),
                              self.window_kwargs.get("sliding_window"), kwargs)

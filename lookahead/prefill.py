@@ -22,8 +22,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .cache_layer import SlabLayer
+from .compat import CACHE_KWARG
 
-_PLAIN_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "past_key_values", "use_cache",
+_PLAIN_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", CACHE_KWARG, "use_cache",
                            "logits_to_keep", "cache_position", "return_dict"})
 
 
@@ -40,7 +41,7 @@ def prefill_by_prompt(model, inputs: dict, cache) -> torch.Tensor | None:
     for b in range(batch):
         real = mask[b].bool()
         single = DynamicCache()
-        out = model(input_ids=ids[b, real][None], position_ids=positions[b, real][None], past_key_values=single,
+        out = model(input_ids=ids[b, real][None], position_ids=positions[b, real][None], **{CACHE_KWARG: single},
                     use_cache=True, return_dict=True, **keep)
         logits.append(out.logits[0, -1])
         states.append([(layer.keys, layer.values) for layer in single.layers])

@@ -26,6 +26,7 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from .config import LookaheadConfig
+from .compat import CACHE_KWARG
 from .fim import describe_styles, fim_tokens
 from .hf import Lookahead
 from .prompt_cache import PromptCache
@@ -316,11 +317,11 @@ class Engine:
         [1, L + n], how many prompt tokens were reused)."""
         reuse, cached = {}, 0
         if self.prompt_cache is not None:
-            reuse["past_key_values"], cached = self.prompt_cache.take(job.spec.input_ids, self.model.config)
+            reuse[CACHE_KWARG], cached = self.prompt_cache.take(job.spec.input_ids, self.model.config)
         output = self.model.generate(job.input_ids, attention_mask=torch.ones_like(job.input_ids), **kwargs, **reuse)
         sequences = output if isinstance(output, torch.Tensor) else output.sequences  # a dict output with logprobs
         if reuse:
-            self.prompt_cache.keep(sequences[0].tolist(), reuse["past_key_values"])
+            self.prompt_cache.keep(sequences[0].tolist(), reuse[CACHE_KWARG])
         return output, sequences, cached
 
     def _sample(self, job: _Job, index: int) -> Completion:

@@ -14,6 +14,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import lookahead.kernels
 from lookahead import attention
+from lookahead.compat import CACHE_KWARG
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # tests/conftest.py switches Triton's interpreter on before triton is first imported when there is no GPU.
@@ -66,9 +67,9 @@ def chunked_prefill_then_decode(model):
     path) and 3 single-token greedy steps. Returns `[1, 15, vocab]`."""
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     cache = DynamicCache(config=model.config)
-    logits = [model(ids[:, :8], past_key_values=cache).logits, model(ids[:, 8:], past_key_values=cache).logits]
+    logits = [model(ids[:, :8], **{CACHE_KWARG: cache}).logits, model(ids[:, 8:], **{CACHE_KWARG: cache}).logits]
     for _ in range(3):
-        logits.append(model(logits[-1][:, -1:].argmax(-1), past_key_values=cache).logits)
+        logits.append(model(logits[-1][:, -1:].argmax(-1), **{CACHE_KWARG: cache}).logits)
     return torch.cat(logits, dim=1)
 
 
@@ -103,9 +104,9 @@ def tree_forward(blocked_prefix_column: int | None = None):
         prompt = torch.randint(0, 128, (2, 10), generator=gen).to(DEVICE)
         nodes = torch.randint(0, 128, (2, len(PARENTS[0])), generator=gen).to(DEVICE)
         cache = DynamicCache(config=model.config)
-        model(prompt, past_key_values=cache)
+        model(prompt, **{CACHE_KWARG: cache})
         position_ids, mask = tree_inputs(PARENTS, 10, blocked_prefix_column)
-        return model(nodes, position_ids=position_ids, attention_mask=mask, past_key_values=cache).logits
+        return model(nodes, position_ids=position_ids, attention_mask=mask, **{CACHE_KWARG: cache}).logits
 
     return forward
 

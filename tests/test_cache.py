@@ -15,6 +15,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from lookahead.cache import keep_rows, make_compactable
 from lookahead.cache_layer import SlabLayer
+from lookahead.compat import CACHE_KWARG
 from lookahead.jacobi import JacobiWindow
 from lookahead.layout import pack
 from lookahead.tree import DraftTree
@@ -46,7 +47,7 @@ def prefill(model, tokens: list[int], slab: bool = False) -> DynamicCache:
     if slab:
         make_compactable(cache, model.config, 10_000)
         assert all(type(layer) is SlabLayer for layer in cache.layers)
-    model(torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+    model(torch.tensor([tokens]), **{CACHE_KWARG: cache}, use_cache=True)
     return cache
 
 
@@ -54,7 +55,7 @@ def tree_step(model, cache, tree, window, prefix_len, root_position) -> torch.Te
     """One packed forward on `cache`; returns the logits of all rows [T, V]."""
     inputs = pack(tree, window, root_position, prefix_len, None, model.dtype, CPU)
     return model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                 attention_mask=inputs.attention_mask, past_key_values=cache, use_cache=True).logits[0]
+                 attention_mask=inputs.attention_mask, **{CACHE_KWARG: cache}, use_cache=True).logits[0]
 
 
 def last_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -106,7 +107,7 @@ def test_keep_rows_then_next_token_matches_fresh_prefill(model, rows, with_windo
     bonus = 50
     position = len(committed)
     logits = model(input_ids=torch.tensor([[bonus]]), position_ids=torch.tensor([[position]]),
-                   past_key_values=cache, use_cache=True).logits[0, -1]
+                   **{CACHE_KWARG: cache}, use_cache=True).logits[0, -1]
     torch.testing.assert_close(logits, last_logits(model, committed + [bonus]), rtol=0, atol=ATOL)
 
 
@@ -130,7 +131,7 @@ def test_two_compacted_steps_in_a_row(model, slab):
     committed += [40, 3]
     assert cache.get_seq_length() == len(committed)
     logits = model(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[len(committed)]]),
-                   past_key_values=cache, use_cache=True).logits[0, -1]
+                   **{CACHE_KWARG: cache}, use_cache=True).logits[0, -1]
     torch.testing.assert_close(logits, last_logits(model, committed + [7]), rtol=0, atol=ATOL)
 
 

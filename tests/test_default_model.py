@@ -15,6 +15,7 @@ import torch
 from conftest import INJECTED_CURVE
 
 from lookahead import Lookahead, LookaheadConfig, load_model
+from lookahead.compat import CACHE_KWARG, output_cache
 
 PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts"
 NEAR_TIE = 1e-4
@@ -168,12 +169,12 @@ def test_default_model_lean_layers_give_bit_identical_logits(default_model):
 
     def forwards():
         cache = DynamicCache(config=model.config)
-        outs = [model(prompt[:, :-1], past_key_values=cache, use_cache=True).logits[:, -8:]]
+        outs = [model(prompt[:, :-1], **{CACHE_KWARG: cache}, use_cache=True).logits[:, -8:]]
         make_compactable(cache, model.config, 4096)
         prefix = prompt.shape[1] - 1
         inputs = pack(tree, None, prefix, prefix, None, model.dtype, model.device)
         outs.append(model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                          attention_mask=inputs.attention_mask, past_key_values=cache, use_cache=True).logits)
+                          attention_mask=inputs.attention_mask, **{CACHE_KWARG: cache}, use_cache=True).logits)
         return outs
 
     with torch.no_grad(), packed_linears(model), tree_attention(model):
@@ -226,8 +227,9 @@ def test_default_model_ships_its_recycling_prior_and_drafts_from_it(default_mode
 
 
 def test_default_model_continues_a_conversation_from_its_cache(default_model):
-    """The next turn restarts from the first turn's cache (`past_key_values=`, the whole text passed again with
-    the new tokens appended): plain generate's tokens, and a cache as long as plain's."""
+    """The next turn restarts from the first turn's cache (`past_key_values=`, `cache=` from transformers 5.24;
+    the whole text passed again with the new tokens appended): plain generate's tokens, and a cache as long as
+    plain's."""
     import copy
 
     model, tokenizer = default_model
@@ -235,8 +237,8 @@ def test_default_model_continues_a_conversation_from_its_cache(default_model):
     first = model.generate(ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
     follow = tokenizer("\n\n# now a factorial\ndef fact(n):", return_tensors="pt").input_ids
     whole = torch.cat([first.sequences, follow], dim=1)
-    runs = [model.generate(whole, past_key_values=copy.deepcopy(first.past_key_values), do_sample=False,
+    runs = [model.generate(whole, **{CACHE_KWARG: copy.deepcopy(output_cache(first))}, do_sample=False,
                            max_new_tokens=MAX_NEW_TOKENS, return_dict_in_generate=True, **extra)
             for extra in ({}, {"custom_generate": Lookahead(cost_curve=INJECTED_CURVE)})]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
-    assert runs[0].past_key_values.get_seq_length() == runs[1].past_key_values.get_seq_length()
+    assert output_cache(runs[0]).get_seq_length() == output_cache(runs[1]).get_seq_length()

@@ -15,6 +15,7 @@ from tiny_models import (FUSED_ARCHITECTURES, build_tiny_model, fused_test_model
 from lookahead import (Lookahead, LookaheadConfig, attention_kernel, cache_layer, fused_layer, fused_stack, hf,
                        streamed_gemm)
 from lookahead.attention import tree_attention
+from lookahead.compat import CACHE_KWARG
 from lookahead.lean_layers import lean_layers
 from lookahead.packed_linear import packed_linears
 from lookahead.row_kernels import RowKernels, apply_row_kernels
@@ -141,9 +142,9 @@ def test_hidden_states_asked_for_come_from_the_models_own_forward(monkeypatch):
         from lookahead.cache import make_compactable
 
         cache = DynamicCache()
-        model(prompt[:, :-1], past_key_values=cache, use_cache=True)
+        model(prompt[:, :-1], **{CACHE_KWARG: cache}, use_cache=True)
         make_compactable(cache, model.config, 4096)
-        out = model(prompt[:, -1:], past_key_values=cache, use_cache=True, output_hidden_states=True)
+        out = model(prompt[:, -1:], **{CACHE_KWARG: cache}, use_cache=True, output_hidden_states=True)
     assert counts.stack == 0 and counts.layer == 3  # each layer fused on its own, the hidden states recorded
     assert len(out.hidden_states) == 4
 
@@ -179,7 +180,7 @@ def test_weights_are_checked_on_the_first_step_of_each_cache_and_row_count(monke
         assert len(checks) == 2 + 1  # and the first build
         stack = model.model.forward
         for _ in range(3):  # more steps of a row count this cache has run
-            stack(input_ids=prompt[:, -1:], past_key_values=cache, use_cache=True)
+            stack(input_ids=prompt[:, -1:], **{CACHE_KWARG: cache}, use_cache=True)
         assert len(checks) == 3
         three_steps(model, prompt)  # a new cache: checked again
         assert len(checks) == 5
@@ -228,9 +229,9 @@ def _batched_step_inputs(prefix: int, entries: list[int]):
 def _steps_on(model, cache, tokens: torch.Tensor, prefix: int, entries: list[int]) -> list:
     """Logits of a one-token step (tokens[:, :1]) and of a 3-row chain step (tokens[:, 1:4]) of the batch entries
     `entries` on `cache`."""
-    outs = [model(tokens[:, :1], past_key_values=cache, use_cache=True).logits]
+    outs = [model(tokens[:, :1], **{CACHE_KWARG: cache}, use_cache=True).logits]
     positions, mask = _batched_step_inputs(prefix + 1, entries)
-    outs.append(model(input_ids=tokens[:, 1:4], position_ids=positions, attention_mask=mask, past_key_values=cache,
+    outs.append(model(input_ids=tokens[:, 1:4], position_ids=positions, attention_mask=mask, **{CACHE_KWARG: cache},
                       use_cache=True).logits)
     return outs
 
@@ -253,7 +254,7 @@ def test_a_batch_through_the_stack_computes_every_entry_as_it_computes_alone(nam
     with torch.no_grad(), packed_linears(model), tree_attention(model), lean_layers(model):
         apply_row_kernels(model, RowKernels(0, 16))
         cache = DynamicCache()
-        model(prompts, past_key_values=cache, use_cache=True)
+        model(prompts, **{CACHE_KWARG: cache}, use_cache=True)
         make_compactable(cache, model.config, 4096, batch_size=3)
         alone = []
         for b in range(3):
@@ -290,8 +291,8 @@ def test_a_left_padded_entry_computes_what_it_computes_without_its_padding(name,
     with torch.no_grad(), packed_linears(model), tree_attention(model), lean_layers(model):
         apply_row_kernels(model, RowKernels(0, 16))
         alone, batch = DynamicCache(), DynamicCache()
-        model(short, past_key_values=alone, use_cache=True)
-        model(long, past_key_values=batch, use_cache=True)
+        model(short, **{CACHE_KWARG: alone}, use_cache=True)
+        model(long, **{CACHE_KWARG: batch}, use_cache=True)
         for one, two in zip(alone.layers, batch.layers):
             pad = one.keys.new_zeros(1, one.keys.shape[1], padding, one.keys.shape[3])
             keys, values = torch.cat([pad, one.keys], 2), torch.cat([pad, one.values], 2)
@@ -311,7 +312,7 @@ def test_a_left_padded_entry_computes_what_it_computes_without_its_padding(name,
                 mask[:, 0, :, cached:] = torch.zeros(count, count).masked_fill(
                     torch.ones(count, count, dtype=torch.bool).triu(1), low)
                 steps.append(model(input_ids=entries[:, rows], position_ids=positions[:, rows], attention_mask=mask,
-                                   past_key_values=cache, use_cache=True).logits)
+                                   **{CACHE_KWARG: cache}, use_cache=True).logits)
             outs[key] = (steps, prefix)
     assert calls == [1, 1, 2, 2]  # every step on the stack, the batch's as one call
     (lone, prefix), (many, _) = outs["alone"], outs["batch"]

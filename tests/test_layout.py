@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from lookahead.compat import CACHE_KWARG, output_cache
 from lookahead.jacobi import JacobiWindow
 from lookahead.layout import StepInputs, pack
 from lookahead.tree import DraftTree
@@ -168,11 +169,11 @@ def test_packed_forward_matches_sequential_forwards(tiny_model, family):
     window.reset(np.array([0]))
     window.tokens[:] = [[31, 32, 33], [34, 35, 36]]
     with torch.no_grad():
-        cache = model(torch.tensor([prompt]), use_cache=True).past_key_values
+        cache = output_cache(model(torch.tensor([prompt]), use_cache=True))
         inputs = pack(tree, window, root_position=len(prompt), prefix_len=len(prompt), prefix_hidden=None,
                       dtype=model.dtype, device=CPU)
         logits = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                       attention_mask=inputs.attention_mask, past_key_values=cache).logits[0]
+                       attention_mask=inputs.attention_mask, **{CACHE_KWARG: cache}).logits[0]
         jacobi = {0: [31], 1: [31, 32], 2: [31, 32, 33], 3: [31, 34], 4: [31, 32, 35], 5: [31, 32, 33, 36]}
         sequences = [tree.path_tokens(n) for n in range(tree.size)] + [jacobi[r] for r in range(6)]
         for row, tail in enumerate(sequences):

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from lookahead import Lookahead, LookaheadConfig, decoder, prefill
 from lookahead.cache import make_compactable
+from lookahead.compat import CACHE_KWARG
 
 
 def _inputs(model, ids, mask, **extra) -> dict:
@@ -21,7 +22,7 @@ def _inputs(model, ids, mask, **extra) -> dict:
     cache = DynamicCache(config=model.config)
     make_compactable(cache, model.config, 4096, batch_size=ids.shape[0])
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    return model.prepare_inputs_for_generation(ids, past_key_values=cache, attention_mask=mask, use_cache=True,
+    return model.prepare_inputs_for_generation(ids, **{CACHE_KWARG: cache}, attention_mask=mask, use_cache=True,
                                                position_ids=positions, is_first_iteration=True, logits_to_keep=1,
                                                **extra)
 
@@ -32,7 +33,7 @@ def test_each_prompt_is_forwarded_alone_into_its_right_aligned_slots(family):
     ids, mask = padded_batch()
     with torch.no_grad():
         inputs = _inputs(model, ids, mask)
-        logits = prefill.prefill_by_prompt(model, inputs, inputs["past_key_values"])
+        logits = prefill.prefill_by_prompt(model, inputs, inputs[CACHE_KWARG])
         batched = _inputs(model, ids, mask)
         expected = model(**batched, return_dict=True).logits[:, -1]
         assert logits is not None and logits.shape == expected.shape
@@ -40,8 +41,8 @@ def test_each_prompt_is_forwarded_alone_into_its_right_aligned_slots(family):
         for b in range(ids.shape[0]):
             real = mask[b].bool()
             alone = DynamicCache()
-            model(ids[b, real][None], past_key_values=alone, use_cache=True)
-            for ours, theirs, single in zip(inputs["past_key_values"].layers, batched["past_key_values"].layers,
+            model(ids[b, real][None], **{CACHE_KWARG: alone}, use_cache=True)
+            for ours, theirs, single in zip(inputs[CACHE_KWARG].layers, batched[CACHE_KWARG].layers,
                                             alone.layers, strict=True):
                 assert torch.equal(ours.keys[b, :, real], single.keys[0])
                 assert torch.equal(ours.values[b, :, real], single.values[0])
@@ -64,10 +65,10 @@ def test_the_batched_prefill_is_kept_where_the_shortcut_does_not_apply(case):
         if case == "extra-input":
             inputs["token_type_ids"] = torch.zeros_like(ids)
         if case == "not-empty":
-            model(**_inputs(model, ids, mask) | {"past_key_values": inputs["past_key_values"]})
-        before = inputs["past_key_values"].get_seq_length()
-        assert prefill.prefill_by_prompt(model, inputs, inputs["past_key_values"]) is None
-        assert inputs["past_key_values"].get_seq_length() == before
+            model(**_inputs(model, ids, mask) | {CACHE_KWARG: inputs[CACHE_KWARG]})
+        before = inputs[CACHE_KWARG].get_seq_length()
+        assert prefill.prefill_by_prompt(model, inputs, inputs[CACHE_KWARG]) is None
+        assert inputs[CACHE_KWARG].get_seq_length() == before
 
 
 @pytest.mark.parametrize("config", [LookaheadConfig(), LookaheadConfig.off()], ids=["speculate", "off"])

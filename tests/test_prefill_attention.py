@@ -11,6 +11,7 @@ import torch
 from tiny_models import build_tiny_model, repetitive_prompt
 
 from lookahead import Lookahead, attention, prefill_attention, streamed_gemm
+from lookahead.compat import CACHE_KWARG
 from lookahead.compiled_ir import host_features
 
 needs_avx512 = pytest.mark.skipif(
@@ -174,13 +175,13 @@ def test_a_prompt_after_cached_positions_runs_on_the_kernel_unless_its_mask_is_n
     counting = _Counting(monkeypatch)
     model.set_attn_implementation(attention.register())
     cache = DynamicCache()
-    model(prompt[:, :25], past_key_values=cache, use_cache=True)
+    model(prompt[:, :25], **{CACHE_KWARG: cache}, use_cache=True)
     assert counting.calls == 3  # the first part: no mask
-    outside = model(prompt[:, 25:], past_key_values=cache, use_cache=True).logits  # not a prompt's rest: SDPA
+    outside = model(prompt[:, 25:], **{CACHE_KWARG: cache}, use_cache=True).logits  # not a prompt's rest: SDPA
     assert counting.calls == 3 and torch.allclose(outside, plain, atol=1e-5, rtol=1e-5)
     cache.crop(-15)
     with attention.prompt_after_cache():
-        rest = model(prompt[:, 25:], past_key_values=cache, use_cache=True).logits
+        rest = model(prompt[:, 25:], **{CACHE_KWARG: cache}, use_cache=True).logits
     assert counting.calls == 6 and torch.allclose(rest, plain, atol=1e-5, rtol=1e-5)
 
     visible = torch.ones(15, 40, dtype=torch.bool).tril(25)
@@ -189,8 +190,8 @@ def test_a_prompt_after_cached_positions_runs_on_the_kernel_unless_its_mask_is_n
     positions = torch.arange(25, 40)[None]
     cache.crop(-15)
     with attention.prompt_after_cache():
-        tree = model(prompt[:, 25:], attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+        tree = model(prompt[:, 25:], attention_mask=mask, position_ids=positions, **{CACHE_KWARG: cache}).logits
     cache.crop(-15)
     model.set_attn_implementation("sdpa")
-    expected = model(prompt[:, 25:], attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+    expected = model(prompt[:, 25:], attention_mask=mask, position_ids=positions, **{CACHE_KWARG: cache}).logits
     assert counting.calls == 6 and torch.equal(tree, expected)

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from lookahead import Lookahead, LookaheadConfig, load_model
 from lookahead.cache_layer import SlabLayer
+from lookahead.compat import CACHE_KWARG
 from lookahead.prompt_cache import PromptCache, common_prefix, storage_bytes
 
 NEW = 16
@@ -45,7 +46,7 @@ def generate(model, ids: list[int], cache: DynamicCache | None = None, config: L
              **kwargs) -> list[int]:
     """Prompt + new token ids of a lookahead generation of `ids` (from `cache` when given)."""
     prompt = torch.tensor([ids])
-    reuse = {} if cache is None else {"past_key_values": cache}
+    reuse = {} if cache is None else {CACHE_KWARG: cache}
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
                          custom_generate=Lookahead(config), **reuse, **{"do_sample": False, **kwargs})
     return out[0].tolist()

@@ -16,6 +16,7 @@ from tiny_models import build_tiny_model, repetitive_prompt
 from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import sliding_window_causal_mask_function
 
+from lookahead.compat import CACHE_KWARG, output_cache
 import lookahead.decoder
 from lookahead import Lookahead, LookaheadConfig
 from lookahead.layout import SequenceDrafts, SlidingWindow, pack_batch, sliding_window
@@ -113,10 +114,10 @@ def test_returned_cache_holds_every_token_and_continues_plain_generate():
     prompt = repetitive_prompt(2, length=12)
     out = model.generate(prompt, do_sample=False, max_new_tokens=30, return_dict_in_generate=True,
                          custom_generate=Lookahead(SPECULATE))
-    cache = out.past_key_values
+    cache = output_cache(out)
     assert all(isinstance(layer, DynamicLayer) for layer in cache.layers)
     assert cache.get_seq_length() == out.sequences.shape[1] - 1  # the last token is not cached yet
-    more = model.generate(out.sequences, past_key_values=cache, do_sample=False, max_new_tokens=10)
+    more = model.generate(out.sequences, **{CACHE_KWARG: cache}, do_sample=False, max_new_tokens=10)
     assert torch.equal(more, model.generate(prompt, do_sample=False, max_new_tokens=40))
 
 

@@ -91,16 +91,17 @@ def three_steps(model, prompt: torch.Tensor):
     from transformers import DynamicCache
 
     from lookahead.cache import make_compactable
+    from lookahead.compat import CACHE_KWARG
     from lookahead.layout import pack
     from lookahead.tree import DraftTree
 
     cache = DynamicCache()  # no config: sliding-window layers keep every token, as lookahead needs
-    outs = [model(prompt[:, :-1], past_key_values=cache, use_cache=True).logits]
+    outs = [model(prompt[:, :-1], **{CACHE_KWARG: cache}, use_cache=True).logits]
     make_compactable(cache, model.config, 4096)
-    outs.append(model(prompt[:, -1:], past_key_values=cache, use_cache=True).logits)
+    outs.append(model(prompt[:, -1:], **{CACHE_KWARG: cache}, use_cache=True).logits)
     prefix = prompt.shape[1]
     tree = DraftTree.from_paths(5, [[7, 9, 11], [8, 3]], [0, 0], 5)
     inputs = pack(tree, None, prefix, prefix, None, model.dtype, model.device)
     outs.append(model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                      attention_mask=inputs.attention_mask, past_key_values=cache, use_cache=True).logits)
+                      attention_mask=inputs.attention_mask, **{CACHE_KWARG: cache}, use_cache=True).logits)
     return outs, cache
