@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
-from .config import LookaheadConfig
 from .compat import CACHE_KWARG
+from .config import LookaheadConfig
 from .fim import describe_styles, fim_tokens
 from .hf import Lookahead
 from .prompt_cache import PromptCache
