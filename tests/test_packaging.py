@@ -26,7 +26,7 @@ def test_console_script_is_declared():
     from importlib.metadata import entry_points
 
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
-    assert scripts.get("lookahead") == "lookahead.cli.main:main"
+    assert scripts.get("lookahead") == "lookahead.cli.entry:main"
 
 
 # -- the repository stands alone ------------------------------------------------------------------------------
