@@ -60,8 +60,8 @@ def test_the_command_runs_with_the_collector_on(monkeypatch):
 
 
 def test_import_lookahead_leaves_torch_and_transformers_for_first_use():
-    code = ("import sys, lookahead; print('torch' in sys.modules, 'transformers' in sys.modules); "
-            "lookahead.Lookahead; print('transformers' in sys.modules, sorted(set(lookahead.__all__) - set(dir(lookahead))))")
+    code = ("import sys, lookahead; print('torch' in sys.modules, 'transformers' in sys.modules); lookahead.Lookahead; "
+            "print('transformers' in sys.modules, sorted(set(lookahead.__all__) - set(dir(lookahead))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
     assert out.split("\n")[:2] == ["False False", "True []"]
 
