@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # noqa: E402 below: imported after TRITON_INTERPRET is set (transformers imports triton)
-from lookahead import calibration, decoder, hf, rest, row_kernels, streamed_gemm  # noqa: E402
+from lookahead import budget, calibration, decoder, hf, rest, row_kernels, streamed_gemm  # noqa: E402
 from lookahead.cost_curve import CURVE_SIZES, CostCurve  # noqa: E402
 
 
@@ -59,3 +59,19 @@ def no_resting_on_timings(monkeypatch):
     wall-clock step times): each decoder gets a `DraftRest` that never rests. `tests/test_rest.py` scripts the
     resting and calls the policy with injected timings."""
     monkeypatch.setattr(decoder, "DraftRest", lambda enabled: rest.DraftRest(False))
+
+
+@pytest.fixture(autouse=True)
+def steps_timed_by_the_curve(monkeypatch):
+    """Generations in tests correct their cost curve by the step times the curve itself predicts, not by the wall
+    clock of the machine running them (`budget.BatchPlanner.record`, fed by the decoder after every forward): the
+    plan, and so tokens per step, depends on the tokens alone, also on a loaded machine. The first step of a timed
+    plan is still a plain one. `tests/test_cost_curve.py` and `tests/test_batch.py` give `ObservedCost` their own
+    timings."""
+    own = budget.BatchPlanner.record
+
+    def record(self, rows: int, seconds: float) -> None:
+        curve = self.observed.curve
+        own(self, rows, curve.ratio(rows) if curve is not None else 1.0)
+
+    monkeypatch.setattr(budget.BatchPlanner, "record", record)
