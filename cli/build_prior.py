@@ -19,9 +19,9 @@ def build_prior(out, model_path, sequences, k, pair_k, min_count, batch, data, s
     """Count what the model chooses after each token in texts it writes itself and write the counts to OUT
     (.safetensors) as a recycling prior. Pass it with `lookahead generate --recycle-prior OUT`; priors shipped in
     lookahead/priors/ are used automatically."""
+    model, tokenizer = model_for(out, model_path)
     from lookahead.recycle_prior import build_prior as count, save_prior
 
-    model, tokenizer = model_for(out, model_path)
     texts = distilled_texts(model, tokenizer, data, sequences, batch, seed)
     try:
         prior = count(texts, model.config.get_text_config().vocab_size, k=k, min_count=min_count, pair_k=pair_k)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 import numpy as np
 
+from lookahead.cli.entry import import_model_stack
 CHAIN = 8  # draft-chain length used to illustrate the chosen budget
 
 
@@ -19,6 +20,7 @@ CHAIN = 8  # draft-chain length used to illustrate the chosen budget
 def calibrate(model_path, refresh, packed, attention) -> None:
     """Print t(k)/t(1) for verifying k rows (at each measured cache length) and how many draft tokens a step
     verifies at each acceptance rate."""
+    import_model_stack()
     from lookahead.budget import best_row_count
     from lookahead.calibration import cost_curve_for
     from lookahead.models import ModelLoadError, load_model

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from lookahead.cli.entry import import_model_stack
 
 def distill_options(min_sequences: int):
     """Add what both commands take to a command: the OUT argument, --model, --sequences (at least
@@ -32,10 +33,11 @@ def distill_options(min_sequences: int):
 def model_for(out: str, model_path: str | None):
     """(model, tokenizer) of `model_path` for a command writing `out`; `click` errors for a missing output folder
     or a model that does not load."""
-    from lookahead.models import ModelLoadError, load_model
-
     if not Path(out).parent.is_dir():
         raise click.UsageError(f"OUT: folder {Path(out).parent} does not exist")
+    import_model_stack()
+    from lookahead.models import ModelLoadError, load_model
+
     try:
         return load_model(model_path)
     except ModelLoadError as exc:

@@ -8,8 +8,9 @@ import click
 
 from lookahead.cli.build_prior import build_prior
 from lookahead.cli.calibrate import calibrate
-from lookahead.cli.options import (arithmetic_options, build_config, datastore_options, draft_choice, head_options,
-                                   placement_kwargs, read_prompt, sampling_kwargs)
+from lookahead.cli.entry import import_model_stack
+from lookahead.cli.options import (arithmetic_options, build_config, check_datastore, datastore_options, draft_choice,
+                                   head_options, placement_kwargs, read_prompt, sampling_kwargs)
 from lookahead.cli.serve import serve
 from lookahead.cli.train_head import train_head
 
@@ -61,16 +62,18 @@ def main() -> None:
 def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sample, temperature, top_k, top_p,
              draft_path, draft_layers, tp, device_map, offload_folder, datastore, datastore_tokens, **knobs) -> None:
     """Stream a completion of PROMPT (or of stdin when PROMPT is omitted or `-`); greedy unless --sample."""
-    from lookahead.cli.run import run_generate
-    from lookahead.distributed import release_process_group
-
     text = read_prompt(prompt, sys.stdin)
     config = build_config(mode, knobs)
+    check_datastore(datastore, config)
     sampling = sampling_kwargs(sample, temperature, top_k, top_p, knobs.get("seed"))
     if compare and sample:
         raise click.UsageError("--compare checks identity with plain greedy; drop --sample")
     draft = draft_choice(draft_path, draft_layers, mode, knobs.get("draft_tokens"))
     placement = placement_kwargs(tp, device_map, offload_folder)
+    import_model_stack()
+    from lookahead.cli.run import run_generate
+    from lookahead.distributed import release_process_group
+
     try:
         run_generate(text, model_path, chat, max_new_tokens, config, stats, compare, sampling, draft, placement,
                      datastore=(datastore, datastore_tokens))

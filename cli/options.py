@@ -9,7 +9,7 @@ import click
 
 from lookahead.config import LookaheadConfig
 from lookahead.datastore import DEFAULT_DATASTORE_TOKENS, build_datastore
-from lookahead.sampling import MIN_TEMPERATURE
+from lookahead.sampling_bounds import MIN_TEMPERATURE
 
 
 def read_prompt(prompt: str | None, stdin) -> str:

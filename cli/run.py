@@ -8,7 +8,7 @@ import time
 import click
 import torch
 
-from lookahead.cli.options import check_datastore, check_head, open_datastore
+from lookahead.cli.options import check_head, open_datastore
 from lookahead.config import LookaheadConfig
 from lookahead.hf import Lookahead
 from lookahead.models import ModelLoadError, load_draft, load_model
@@ -22,7 +22,6 @@ def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: 
     prints), `datastore` the --datastore paths and token bound. Errors become one-line `click.ClickException`s."""
     from transformers import TextStreamer
 
-    check_datastore(datastore[0], config)
     try:
         model, tokenizer = load_model(model_path, **(placement or {}))
     except (ModelLoadError, ValueError) as exc:

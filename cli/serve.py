@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import click
 
+from lookahead.cli.entry import import_model_stack
 from lookahead.cli.options import (arithmetic_options, build_config, check_datastore, check_head, datastore_options,
                                    head_options, open_datastore)
+from lookahead.server_bind import allowed_hosts_for, check_bind, check_origin
 
 
 @click.command()
@@ -61,14 +63,14 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, prompt_cache_m
 
     Only this machine's clients by default: requests must name a loopback Host, browser pages of other origins
     are refused (see --allow-origin), and --api-key guards the rest."""
-    from lookahead.server import ServerSettings, model_name_for
-    from lookahead.server_guard import allowed_hosts_for, check_bind
-    from lookahead.server_http import listening_socket, run_server
-
     config = build_config(mode, knobs)
     check_datastore(datastore, config)
+    _check_access(host, api_key, allow_origins)
+    import_model_stack()
+    from lookahead.server import ServerSettings, model_name_for
+    from lookahead.server_http import listening_socket, run_server
+
     try:
-        check_bind(host, api_key)
         settings = ServerSettings(model_name=model_name or model_name_for(model_path), config=config,
                                   context_length=context_length, max_body_bytes=max_body_bytes, max_queue=max_queue,
                                   api_key=api_key, allowed_hosts=allowed_hosts_for(host),
@@ -90,6 +92,17 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, prompt_cache_m
         except KeyboardInterrupt:  # uvicorn usually re-raises Ctrl-C once its shutdown is complete ...
             pass  # ... but asyncio's own SIGINT handler may swallow the re-raised signal: it returns normally then
     click.echo("lookahead serve: stopped", err=True)
+
+
+def _check_access(host: str, api_key: str | None, allow_origins: tuple[str, ...]) -> None:
+    """`click.UsageError` for a --host other machines reach without --api-key or an --allow-origin that is not a
+    browser origin (checked before torch and transformers import)."""
+    try:
+        check_bind(host, api_key)
+        for origin in allow_origins:
+            check_origin(origin)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 def _build_app(model_path, settings, threads: int | None, cache_tokens: int, datastore: tuple[str, ...],

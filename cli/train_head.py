@@ -21,10 +21,10 @@ from lookahead.cli.distilled import distill_options, distilled_texts, model_for,
 def train_head(out, model_path, sequences, epochs, vocab_size, batch, data, init, lr, seed) -> None:
     """Distill texts from the model itself, fit a draft head on them and write it to OUT (.safetensors). Pass it
     with `lookahead generate --draft-head OUT`; heads shipped in lookahead/heads/ are found automatically."""
+    model, tokenizer = model_for(out, model_path)
     from lookahead.head_files import read_head, save_head
     from lookahead.head_training import fit, head_weights
 
-    model, tokenizer = model_for(out, model_path)
     try:
         start = None if init is None else read_head(init, model)
     except ValueError as exc:

@@ -13,11 +13,9 @@ from functools import lru_cache
 import torch
 
 from .gumbel import noise_of, noise_of_vocab
+from .sampling_bounds import MIN_TEMPERATURE  # noqa: F401  (its home for torch-free importers)
 
 _MASK64 = (1 << 64) - 1
-# Smallest sampling temperature the CLI and the server accept: far below it, scores / temperature overflow
-# float32 to +-inf and the softmax has no distribution (`probs_from_scores` raises); 1e-5 is ~argmax already.
-MIN_TEMPERATURE = 1e-5
 # `sample_seeded` scores only the tokens with mass when they are at most 1 / this of the vocabulary.
 _SPARSE_FRACTION = 4
 

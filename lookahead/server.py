@@ -33,7 +33,8 @@ from .config import LookaheadConfig
 from .prompt_cache import PromptCache
 from .server_engine import (Completion, Delta, Engine, EngineBusy, EngineClosed, EngineError, JobSpec, JobStream,
                             NoChatTemplate, NoFimTokens)
-from .server_guard import LOOPBACK_HOSTS, RequestGuard, check_origin
+from .server_bind import LOOPBACK_HOSTS, check_origin
+from .server_guard import RequestGuard
 from .server_response import ResponseShape, speculation_stats, sse
 from .server_schema import APIError, ChatRequest, CompletionRequest, choices, parse_body, sampling, stop_strings
 from .suffix_cache import SuffixCache

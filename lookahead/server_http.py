@@ -24,7 +24,7 @@ import uvicorn
 from starlette.applications import Starlette
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .server_guard import check_bind
+from .server_bind import check_bind
 from .server_schema import APIError
 
 KEEP_ALIVE_SECONDS = 5  # idle keep-alive connections close after this (uvicorn's default)

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .sampling import MIN_TEMPERATURE
+from .sampling_bounds import MIN_TEMPERATURE
 from .server_engine import MAX_SEED, Sampling
 
 MAX_STOP_STRINGS = 16

@@ -29,7 +29,8 @@ from transformers import AutoTokenizer
 from lookahead.cli.main import main
 from lookahead.models import default_model_folder
 from lookahead.server import ServerSettings, create_app
-from lookahead.server_guard import allowed_hosts_for, check_bind, host_name
+from lookahead.server_bind import allowed_hosts_for, check_bind
+from lookahead.server_guard import host_name
 
 NAME = "tiny"
 CONTEXT = 128
