@@ -20,6 +20,8 @@ from __future__ import annotations
 import atexit
 import gc
 
+from lookahead import kernel_warmup
+
 _process = {"command": False, "frozen": False}
 
 
@@ -38,6 +40,7 @@ def import_model_stack() -> None:
     if not _process["command"] or _process["frozen"]:
         _import_stack()
         return
+    kernel_warmup.start()  # on an installation's first run: the kernels compile beside the imports and the load
     gc.disable()
     try:
         _import_stack()

@@ -22,6 +22,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from . import kernel_warmup
 from .argmax_head import argmax_logits
 from .attention import tree_attention
 from .cache import make_compactable
@@ -96,6 +97,7 @@ class Lookahead:
         """Decoding loop called by `generate`; returns what `generate` would (sequences or a dict output).
         Raises `compat.UnsupportedTransformers` on a transformers release lookahead does not support."""
         check_transformers()
+        kernel_warmup.finish()  # a helper compiling the kernels (first run of the command) is done before anything
         notice = compiling_notice()
         if notice:
             say(follower_process(), notice)
@@ -160,6 +162,7 @@ def generation_arithmetic(model, config: LookaheadConfig, refresh: bool = False)
     decoder layers, as `config` asks), for speculative and plain steps alike, and tensor-parallel ranks take
     their timing-dependent decisions from rank 0 (`distributed.agreement`); yields a one-line description.
     `refresh`: measure the kernel choice again instead of reading its cache."""
+    kernel_warmup.finish()  # nothing is packed, compiled or measured while a helper compiles the kernels
     with (agreement(model), packed_linears(model, config.packed_linear, config.compact_weights) as packed,
           tree_attention(model, config.attention) as tree,
           lean_layers(model, config.lean_layers, config.fused_layers) as lean):

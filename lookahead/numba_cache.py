@@ -48,6 +48,18 @@ def use_user_cache_dir() -> bool:
 _fresh = use_user_cache_dir()
 
 
+def is_fresh() -> bool:
+    """Whether this installation's kernels were not compiled yet when this process started (and no notice of their
+    compile has been given since: `compiling_notice`)."""
+    return _fresh
+
+
+def restore_compiling_notice() -> None:
+    """Give the compile notice again (`compiling_notice`): a helper meant to compile the kernels did not."""
+    global _fresh
+    _fresh = True
+
+
 def compiling_notice() -> str | None:
     """Once per process, when this installation's kernels have not been compiled yet (a new install or upgrade, or
     a cleared cache): the one-line notice that the first generation compiles them and how long that takes, so a

@@ -14,6 +14,8 @@ from tiny_models import build_tiny_model
 # first imported anywhere in the session (transformers imports it early).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Commands the tests start never compile the kernels in a helper process (`kernel_warmup`) unless a test asks.
+os.environ["LOOKAHEAD_KERNEL_WARMUP"] = "0"
 
 # noqa: E402 below: imported after TRITON_INTERPRET is set (transformers imports triton)
 from lookahead import budget, calibration, decoder, hf, rest, row_kernels, streamed_gemm  # noqa: E402

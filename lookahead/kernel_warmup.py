@@ -1,0 +1,133 @@
+"""lookahead's CPU kernels compiled in a helper process while the command imports and loads its model, on the first
+run of an installation.
+
+numba compiles lookahead's kernels the first time an installation generates (~60 functions, ~45 s of one core on
+the 2-core AVX2 machine), and a first run also imports torch and transformers and converts the model's GGUF file
+(~30 s more, mostly on one core). So a command about to load a model, finding no compiled kernels for this
+installation (`numba_cache.is_fresh`), starts `python -m lookahead.kernel_warmup`: it builds a tiny random Llama whose
+layers hold exact 4-bit block weights and whose tied LM head 8-bit ones (the forms a Q4_0/Q4_1/Q8_0 GGUF model loads
+in, the default model's), and generates with it greedily, sampled and seeded, with its arithmetic pinned and a
+fixed cost curve (nothing measured, one thread), which compiles the kernels a real generation calls into the same
+on-disk cache. The command waits for it before it measures anything or generates (`finish`: measurements must not
+share the cores with a compiler), then finds the kernels compiled. If the helper fails or runs past WAIT_SECONDS it
+is stopped, and the command compiles what is missing itself, as before. `$LOOKAHEAD_KERNEL_WARMUP=0` turns the
+helper off; it never starts under torchrun (every rank would start one) or when `$NUMBA_CACHE_DIR` is the user's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import time
+
+import numba
+
+from . import numba_cache
+
+ENV_SWITCH = "LOOKAHEAD_KERNEL_WARMUP"
+WAIT_SECONDS = 300.0  # the helper's compile takes ~50 s on the 2-core AVX2 machine
+# The helper generates with the model's own arithmetic (the model's kernels, then the drafters' — found in the cache
+# when the command compiled them meanwhile: `finish`).
+HELPERS = ((sys.executable, "-m", "lookahead.kernel_warmup", "model"),)
+_running: list[subprocess.Popen] = []
+
+
+def start(commands: tuple[tuple[str, ...], ...] = HELPERS) -> bool:
+    """Start the helpers (`commands`) when this installation has no compiled kernels yet, unless switched off or
+    under torchrun; a notice on stderr says so. Whether they started."""
+    if _running or not numba_cache.is_fresh() or os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return False
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(numba.config.CACHE_DIR), "OMP_NUM_THREADS": "1",
+           "NUMBA_NUM_THREADS": "1"}
+    _running.extend(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL) for command in commands)
+    _say("lookahead: compiling its CPU kernels for this installation in a helper process while the model loads, "
+         f"once (~1 minute on a 2-core CPU; cached in {numba.config.CACHE_DIR})")
+    return True
+
+
+def finish(timeout: float = WAIT_SECONDS) -> bool | None:
+    """Wait for the helpers this process started (None when there are none): True when they compiled the kernels
+    (the generation's own compile notice is then spent), False when one failed or was stopped `timeout` seconds
+    after the wait began."""
+    if not _running:
+        return None
+    helpers, deadline = list(_running), time.monotonic() + timeout
+    _running.clear()
+    numba_cache.compiling_notice()  # spent: the warm-up generation below does not announce a compile
+    if any(helper.poll() is None for helper in helpers):
+        _say("lookahead: waiting for the kernel compile to finish")
+        _compile_drafting_here()
+    done = all([_waited(helper, deadline) for helper in helpers])
+    if not done:
+        numba_cache.restore_compiling_notice()
+    return done
+
+
+def _compile_drafting_here() -> None:
+    """While the helper compiles the model's kernels, this process compiles the drafters' and verification's (a
+    warm-up generation on PyTorch's plain layers) instead of idling; a failure is left to the generation."""
+    try:
+        warm("drafting")
+    except Exception:  # noqa: BLE001 — whatever failed compiles (or fails) again in the generation itself
+        pass
+
+
+def _waited(helper: subprocess.Popen, deadline: float) -> bool:
+    """Whether `helper` exited successfully by `deadline` (`time.monotonic`); stopped if it is still running."""
+    try:
+        return helper.wait(max(deadline - time.monotonic(), 0.0)) == 0
+    except subprocess.TimeoutExpired:
+        helper.kill()
+        helper.wait()
+        return False
+
+
+def _say(message: str) -> None:
+    """A one-line notice on stderr."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def _stop() -> None:
+    """Stop a helper still running when the process exits (a command that failed before it generated)."""
+    while _running:
+        helper = _running.pop()
+        helper.kill()
+        helper.wait()
+
+
+atexit.register(_stop)
+
+
+def main(part: str = "model") -> None:
+    """The helper process: `warm(part)` on one thread."""
+    import torch
+
+    torch.set_num_threads(1)
+    warm(part)
+
+
+def warm(part: str) -> None:
+    """Generate with a tiny block-weight model greedily and sampled (see the module docstring), on the model's own
+    arithmetic (`part` "model") or on PyTorch's plain layers ("drafting", seeded sampling too), compiling what that
+    calls."""
+    if part not in ("model", "drafting"):
+        raise ValueError(f"part must be 'model' or 'drafting', got {part!r}")
+    from .hf import Lookahead
+    from .warmup_model import WARMUP_CONFIG, WARMUP_CURVE, warmup_model, warmup_prompt
+
+    config = WARMUP_CONFIG if part == "model" else WARMUP_CONFIG.with_overrides(packed_linear=False)
+    model, prompt = warmup_model(), warmup_prompt()
+    sampled = {"do_sample": True, "temperature": 0.7, "top_p": 0.95}
+    runs = (({"do_sample": False}, None), (sampled, None)) + (((sampled, 0),) if part == "drafting" else ())
+    for kwargs, seed in runs:
+        decoder = Lookahead(config, cost_curve=WARMUP_CURVE, seed=seed)
+        model.generate(prompt, max_new_tokens=32, custom_generate=decoder, **kwargs)
+
+
+if __name__ == "__main__":  # pragma: no cover - run as a helper process
+    main(*sys.argv[1:])

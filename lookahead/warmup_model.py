@@ -1,0 +1,71 @@
+"""The tiny model `kernel_warmup`'s helper generates with: a random Llama in the forms a GGUF model loads in.
+
+Its decoder layers' weights are exact 4-bit blocks (`fma(q, d, m)` per block of 32 with float16 d and m, as Q4_0 and
+Q4_1 expand to) and its tied LM head exact 8-bit blocks (`d · q`, as Q8_0), so `affine_weights` finds the same forms
+it finds in the default model and the streamed kernel, the compiled decoder stack and the bounded argmax head run
+on them; its heads are 64 floats wide, the default model's. Sizes are otherwise tiny: the compiled kernels depend on
+the arguments' types, not their sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import LookaheadConfig
+from .cost_curve import CURVE_SIZES, CostCurve
+
+BLOCK = 32
+VOCAB = 512
+# Pinned arithmetic (nothing measured): every product of up to 64 rows on the streamed kernel.
+WARMUP_CONFIG = LookaheadConfig(default_matmul_rows=0, streamed_matmul_rows=64)
+# A fixed cost curve (the plan follows it alone, never the helper's timings), shaped like a CPU's.
+WARMUP_CURVE = CostCurve(CURVE_SIZES, (1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.7, 2.0, 2.6, 3.2), 0.05)
+
+
+def warmup_model(seed: int = 0) -> torch.nn.Module:
+    """A 2-layer float32 `LlamaForCausalLM` (hidden 128, heads of 64) with 4-bit block layers and an 8-bit block
+    tied LM head, in eval mode, with no special tokens."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and module.weight is not model.get_output_embeddings().weight:
+                module.weight.copy_(four_bit_blocks(module.weight))
+        embeddings = model.get_input_embeddings().weight
+        embeddings.copy_(eight_bit_blocks(embeddings))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(model.generation_config, name, None)
+    return model
+
+
+def four_bit_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] (K a multiple of 32) rounded to q · d + m per block of 32 (q in 0…15, d and m float16), each
+    block holding codes 0 and 15 so that its minimum and range recover m and d."""
+    blocks = weight.reshape(weight.shape[0], -1, BLOCK)
+    low = blocks.amin(-1, keepdim=True).half().float()
+    scale = ((blocks.amax(-1, keepdim=True) - low) / 15).clamp_min(1e-3).half().float()
+    codes = ((blocks - low) / scale).round().clamp(0, 15) + 0.0
+    codes[..., 0], codes[..., 1] = 0, 15
+    return (codes * scale + low).reshape(weight.shape)
+
+
+def eight_bit_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] rounded to q · d per block of 32 (q in −127…127, d float16), each block holding code 127."""
+    blocks = weight.reshape(weight.shape[0], -1, BLOCK)
+    scale = (blocks.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-3).half().float()
+    codes = (blocks / scale).round().clamp(-127, 127) + 0.0  # + 0.0: no code -0 (its weight would be -0.0)
+    codes[..., 0] = 127
+    return (codes * scale).reshape(weight.shape)
+
+
+def warmup_prompt(length: int = 48) -> torch.Tensor:
+    """[1, length] token ids whose second half repeats the first, so that prompt lookup finds continuations."""
+    generator = torch.Generator().manual_seed(0)
+    head = torch.randint(0, VOCAB, (1, length // 2), generator=generator)
+    return torch.cat([head, head], dim=1)

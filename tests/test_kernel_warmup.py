@@ -1,0 +1,141 @@
+"""`kernel_warmup`: on an installation's first run the kernels compile in a helper process; the command waits for
+it before it packs, measures or generates, and finds the default model's kernels compiled."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lookahead import affine_weights, kernel_warmup, numba_cache
+from lookahead.warmup_model import eight_bit_blocks, four_bit_blocks, warmup_model
+
+# Generates with the default model (pinned arithmetic, a fixed cost curve: nothing measured) greedily and sampled,
+# then prints how many of lookahead's compiled functions' signatures numba had to compile (not in its cache).
+MISSES = """
+import sys, numba, torch
+from lookahead import Lookahead
+from lookahead.models import load_model
+from lookahead.warmup_model import WARMUP_CONFIG, WARMUP_CURVE
+model, tokenizer = load_model()
+ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
+for kwargs in ({"do_sample": False}, {"do_sample": True, "temperature": 0.7}):
+    decoder = Lookahead(WARMUP_CONFIG, cost_curve=WARMUP_CURVE)
+    model.generate(ids, max_new_tokens=16, custom_generate=decoder, **kwargs)
+missed = {f"{value.py_func.__module__}.{value.py_func.__name__}" for name, module in list(sys.modules.items())
+          if name.startswith("lookahead") for value in vars(module).values()
+          if isinstance(value, numba.core.dispatcher.Dispatcher) and sum(value.stats.cache_misses.values())}
+print(len(missed), *sorted(missed))
+"""
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A process whose installation has no compiled kernels yet, the helper switched on; no helper left over."""
+    monkeypatch.setattr(numba_cache, "_fresh", True)
+    monkeypatch.setenv(kernel_warmup.ENV_SWITCH, "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    compiled_here = []
+    monkeypatch.setattr(kernel_warmup, "_compile_drafting_here", lambda: compiled_here.append(numba_cache.is_fresh()))
+    yield compiled_here
+    kernel_warmup._stop()
+
+
+def _helper(code: str, *more: str) -> tuple[tuple[str, ...], ...]:
+    """Helper commands running `code` (and each of `more`) in a fresh interpreter."""
+    return tuple((sys.executable, "-c", each) for each in (code, *more))
+
+
+def test_a_helper_that_compiled_spends_the_compile_notice(fresh, capsys):
+    assert kernel_warmup.start(_helper("pass"))
+    assert "helper process" in capsys.readouterr().err
+    assert kernel_warmup.finish() is True
+    assert not numba_cache.is_fresh() and numba_cache.compiling_notice() is None
+    assert kernel_warmup.finish() is None  # one wait: the next generation goes straight on
+
+
+def test_a_failed_helper_leaves_the_compile_to_the_command(fresh):
+    assert kernel_warmup.start(_helper("pass", "raise SystemExit(3)"))
+    assert kernel_warmup.finish() is False
+    assert numba_cache.is_fresh()  # the generation still says it compiles
+
+
+def test_a_late_helper_is_stopped(fresh, capsys):
+    assert kernel_warmup.start(_helper("import time; time.sleep(60)", "import time; time.sleep(60)"))
+    helpers = list(kernel_warmup._running)
+    assert kernel_warmup.finish(timeout=0.5) is False
+    assert all(helper.poll() is not None for helper in helpers)
+    assert "waiting for the kernel compile" in capsys.readouterr().err
+    assert numba_cache.is_fresh()
+
+
+def test_while_the_helper_compiles_the_command_compiles_the_drafters_without_a_second_notice(fresh):
+    assert kernel_warmup.start(_helper("import time; time.sleep(1)"))
+    assert kernel_warmup.finish() is True
+    assert fresh == [False]  # compiled here once, the notice already spent (its generation prints none)
+
+
+def test_a_helper_done_before_the_wait_leaves_nothing_to_compile_here(fresh):
+    kernel_warmup.start(_helper("pass"))
+    kernel_warmup._running[0].wait()
+    assert kernel_warmup.finish() is True and fresh == []
+
+
+def test_a_helper_still_running_at_exit_is_stopped(fresh):
+    kernel_warmup.start(_helper("import time; time.sleep(60)"))
+    helper = kernel_warmup._running[0]
+    kernel_warmup._stop()
+    assert helper.poll() is not None and kernel_warmup.finish() is None
+
+
+@pytest.mark.parametrize("setting", ["compiled", "switched off", "torchrun", "started"])
+def test_no_helper_when_it_is_not_needed_or_not_wanted(fresh, monkeypatch, setting):
+    if setting == "compiled":
+        monkeypatch.setattr(numba_cache, "_fresh", False)
+    elif setting == "switched off":
+        monkeypatch.setenv(kernel_warmup.ENV_SWITCH, "0")
+    elif setting == "torchrun":
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    else:
+        assert kernel_warmup.start(_helper("pass"))
+    assert kernel_warmup.start(_helper("pass")) is False
+    assert len(kernel_warmup._running) == (setting == "started")
+
+
+def test_a_helper_takes_a_known_part_only():
+    with pytest.raises(ValueError, match="part must be"):
+        kernel_warmup.main("everything")
+
+
+def test_the_warmup_model_holds_the_default_models_block_forms():
+    model = warmup_model()
+    layers = [m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
+    assert len(layers) == 14 and all(affine_weights.affine_form(w) is not None for w in layers)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert affine_weights.scaled_form(model.get_output_embeddings().weight) is not None
+    assert affine_weights.affine_form(torch.randn(8, 64)) is None  # the forms are found only where they hold
+
+
+@pytest.mark.parametrize("spread", [0.02, 1.0, 30.0])
+def test_block_roundings_have_the_exact_forms(spread):
+    weight = torch.randn(16, 64) * spread
+    four, eight = four_bit_blocks(weight), eight_bit_blocks(weight)
+    assert affine_weights.affine_form(four) is not None and affine_weights.scaled_form(eight) is not None
+    assert affine_weights.affine_form(weight) is None and affine_weights.scaled_form(weight) is None
+
+
+def test_after_the_helper_the_default_model_generates_without_compiling(tmp_path):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    here = (sys.executable, "-c", "from lookahead.kernel_warmup import warm; warm('drafting')")  # the command's part
+    helpers = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+               for command in (*kernel_warmup.HELPERS, here)]
+    for helper in helpers:
+        assert helper.wait(900) == 0, helper.stderr.read()
+    done = subprocess.run([sys.executable, "-c", MISSES], env=env, check=True, timeout=900, capture_output=True,
+                          text=True)
+    missed = done.stdout.split()
+    # The recycling prior's rows (the tiny model has none) compile on their own: two small functions.
+    assert int(missed[0]) <= 2, missed
