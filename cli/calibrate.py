@@ -6,6 +6,7 @@ import click
 import numpy as np
 
 from lookahead.cli.entry import import_model_stack
+
 CHAIN = 8  # draft-chain length used to illustrate the chosen budget
 
 

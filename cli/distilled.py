@@ -9,6 +9,7 @@ import click
 
 from lookahead.cli.entry import import_model_stack
 
+
 def distill_options(min_sequences: int):
     """Add what both commands take to a command: the OUT argument, --model, --sequences (at least
     `min_sequences`), --batch, --data and --seed."""

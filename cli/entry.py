@@ -12,7 +12,8 @@ generation collections never scan) and the collector is back for everything made
 requests — so the command runs as before with ~0.15 s of collections in that call (median of 8 alternated calls:
 14.3 → 12.7 s). At exit the objects are unfrozen, so the interpreter's final collection still sees them (extension
 modules such as triton's report leaks otherwise). Library users' processes, and commands invoked in-process (click's
-test runner), are left alone: the collector is paused only in a process started by `main`.
+test runner), are left alone: the collector is paused only in a process started by `main`. That first call also
+starts the kernels' compile in a helper process when this installation has none compiled yet (`kernel_warmup`).
 """
 
 from __future__ import annotations

@@ -139,3 +139,15 @@ def test_after_the_helper_the_default_model_generates_without_compiling(tmp_path
     missed = done.stdout.split()
     # The recycling prior's rows (the tiny model has none) compile on their own: two small functions.
     assert int(missed[0]) <= 2, missed
+
+
+def test_a_failed_compile_here_is_left_to_the_generation(monkeypatch):
+    parts = []
+
+    def failing(part):
+        parts.append(part)
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(kernel_warmup, "warm", failing)
+    kernel_warmup._compile_drafting_here()
+    assert parts == ["drafting"]
