@@ -1,18 +1,19 @@
 """lookahead's CPU kernels compiled in a helper process while the command imports and loads its model, on the first
 run of an installation.
 
-numba compiles lookahead's kernels the first time an installation generates (~60 functions, ~45 s of one core on
-the 2-core AVX2 machine), and a first run also imports torch and transformers and converts the model's GGUF file
-(~30 s more, mostly on one core). So a command about to load a model, finding no compiled kernels for this
-installation (`numba_cache.is_fresh`), starts `python -m lookahead.kernel_warmup`: it builds a tiny random Llama whose
-layers hold exact 4-bit block weights and whose tied LM head 8-bit ones (the forms a Q4_0/Q4_1/Q8_0 GGUF model loads
-in, the default model's), and generates with it greedily and sampled, with its arithmetic pinned and a fixed cost
-curve (nothing measured, one thread), which compiles the kernels a real generation calls into the same on-disk cache.
-The command waits for it before it packs, measures or generates anything (`finish`: measurements must not share the
-cores with a compiler), compiling the drafters' kernels itself meanwhile (the same model on PyTorch's plain layers,
-seeded sampling too, `warm("drafting")`: ~10 s of the ~45), then finds the kernels compiled. If the helper fails or runs past WAIT_SECONDS it
-is stopped, and the command compiles what is missing itself, as before. `$LOOKAHEAD_KERNEL_WARMUP=0` turns the
-helper off; it never starts under torchrun (every rank would start one) or when `$NUMBA_CACHE_DIR` is the user's.
+numba compiles lookahead's kernels the first time an installation generates (~60 functions, ~45 s of one core on the
+2-core AVX2 machine), and a first run also imports torch and transformers and converts the model's GGUF file (~30 s
+more, mostly on one core). So a command about to load a model, finding no compiled kernels for this installation
+(`numba_cache.is_fresh`), starts `python -m lookahead.kernel_warmup`: it builds a tiny random Llama whose layers hold
+exact 4-bit block weights and whose tied LM head 8-bit ones (the forms a Q4_0/Q4_1/Q8_0 GGUF model loads in, the
+default model's), and generates with it greedily and sampled, with its arithmetic pinned and a fixed cost curve
+(nothing measured, one thread), which compiles the kernels a real generation calls into the same on-disk cache. The
+command waits for it before it packs, measures or generates anything (`finish`: measurements must not share the cores
+with a compiler), compiling the drafters' kernels itself meanwhile (the same model on PyTorch's plain layers, seeded
+sampling too, `warm("drafting")`: ~10 s of the ~45), then finds the kernels compiled. If the helper fails or runs past
+WAIT_SECONDS it is stopped, and the command compiles what is missing itself, as before. `$LOOKAHEAD_KERNEL_WARMUP=0`
+turns the helper off; it never starts under torchrun (every rank would start one) or when `$NUMBA_CACHE_DIR` is the
+user's.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from functools import lru_cache
 import torch
 
 from .gumbel import noise_of, noise_of_vocab
-from .sampling_bounds import MIN_TEMPERATURE  # noqa: F401  (its home for torch-free importers)
 
 _MASK64 = (1 << 64) - 1
 # `sample_seeded` scores only the tokens with mass when they are at most 1 / this of the vocabulary.

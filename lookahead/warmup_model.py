@@ -1,10 +1,10 @@
 """The tiny model `kernel_warmup`'s helper generates with: a random Llama in the forms a GGUF model loads in.
 
-Its decoder layers' weights are exact 4-bit blocks (`fma(q, d, m)` per block of 32 with float16 d and m, as Q4_0 and
-Q4_1 expand to) and its tied LM head exact 8-bit blocks (`d · q`, as Q8_0), so `affine_weights` finds the same forms
-it finds in the default model and the streamed kernel, the compiled decoder stack and the bounded argmax head run
-on them; its heads are 64 floats wide, the default model's. Sizes are otherwise tiny: the compiled kernels depend on
-the arguments' types, not their sizes.
+Its decoder layers' weights are rounded as GGUF's Q4_1 does (`fma(q, d, m)` per block of 32, float16 d and m; `q4_1`,
+also what the tests round weights with) and its tied LM head as Q8_0 (`d · q`, `q8_0`), so `affine_weights` finds the
+forms it finds in the default model and the streamed kernel, the compiled decoder stack and the bounded argmax head
+run on them; its heads are 64 floats wide, the default model's. Sizes are otherwise tiny: the compiled kernels depend
+on the arguments' types, not their sizes.
 """
 
 from __future__ import annotations
@@ -36,32 +36,33 @@ def warmup_model(seed: int = 0) -> torch.nn.Module:
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and module.weight is not model.get_output_embeddings().weight:
-                module.weight.copy_(four_bit_blocks(module.weight))
+                module.weight.copy_(q4_1(module.weight))
         embeddings = model.get_input_embeddings().weight
-        embeddings.copy_(eight_bit_blocks(embeddings))
+        embeddings.copy_(q8_0(embeddings))
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(model.generation_config, name, None)
     return model
 
 
-def four_bit_blocks(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] (K a multiple of 32) rounded to q · d + m per block of 32 (q in 0…15, d and m float16), each
-    block holding codes 0 and 15 so that its minimum and range recover m and d."""
-    blocks = weight.reshape(weight.shape[0], -1, BLOCK)
-    low = blocks.amin(-1, keepdim=True).half().float()
-    scale = ((blocks.amax(-1, keepdim=True) - low) / 15).clamp_min(1e-3).half().float()
-    codes = ((blocks - low) / scale).round().clamp(0, 15) + 0.0
-    codes[..., 0], codes[..., 1] = 0, 15
-    return (codes * scale + low).reshape(weight.shape)
+def q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] rounded as GGUF's Q4_1 does and expanded back to float32 as transformers' GGUF loader does:
+    per block of 32, d = float16((max - min) / 15), m = float16(min), q = round((w - min) / d) in 0…15, d·q + m."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // BLOCK, BLOCK)
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    scale = (high - low) / 15
+    codes = torch.where(scale > 0, (blocks - low) / torch.where(scale > 0, scale, 1), 0).round().clamp(0, 15)
+    return (scale.half().float() * codes + low.half().float()).reshape(n, k)
 
 
-def eight_bit_blocks(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] rounded to q · d per block of 32 (q in −127…127, d float16), each block holding code 127."""
-    blocks = weight.reshape(weight.shape[0], -1, BLOCK)
-    scale = (blocks.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-3).half().float()
-    codes = (blocks / scale).round().clamp(-127, 127) + 0.0  # + 0.0: no code -0 (its weight would be -0.0)
-    codes[..., 0] = 127
-    return (codes * scale).reshape(weight.shape)
+def q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] rounded as GGUF's Q8_0 does and expanded back: per block of 32, d = float16(max |w| / 127),
+    q = round(w / d) in -127…127, d·q."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // BLOCK, BLOCK)
+    scale = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    codes = torch.where(scale > 0, blocks / torch.where(scale > 0, scale, 1), 0).round().clamp(-127, 127)
+    return (scale * codes.to(torch.int8).float()).reshape(n, k)  # integer codes: a zero weight is +0, never -0
 
 
 def warmup_prompt(length: int = 48) -> torch.Tensor:

@@ -17,30 +17,10 @@ from lookahead.attention import tree_attention
 from lookahead.lean_layers import lean_layers
 from lookahead.packed_linear import packed_linears, packed_weights
 from lookahead.row_kernels import RowKernels, apply_row_kernels
+from lookahead.warmup_model import q4_1, q8_0
 
 needs_kernel = pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and streamed_gemm.available()),
                                   reason="needs oneDNN and the streamed kernel (a CPU with FMA)")
-
-
-def q4_1(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] rounded as GGUF's Q4_1 does and expanded back to float32 as transformers' GGUF loader does:
-    per block of 32, d = float16((max - min) / 15), m = float16(min), q = round((w - min) / d) in 0…15, d·q + m."""
-    n, k = weight.shape
-    blocks = weight.float().reshape(n, k // 32, 32)
-    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
-    scale = (high - low) / 15
-    codes = torch.where(scale > 0, (blocks - low) / torch.where(scale > 0, scale, 1), 0).round().clamp(0, 15)
-    return (scale.half().float() * codes + low.half().float()).reshape(n, k)
-
-
-def q8_0(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] rounded as GGUF's Q8_0 does and expanded back: per block of 32, d = float16(max |w| / 127),
-    q = round(w / d) in -127…127, d·q."""
-    n, k = weight.shape
-    blocks = weight.float().reshape(n, k // 32, 32)
-    scale = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
-    codes = torch.where(scale > 0, blocks / torch.where(scale > 0, scale, 1), 0).round().clamp(-127, 127)
-    return (scale * codes.to(torch.int8).float()).reshape(n, k)  # integer codes: a zero weight is +0, never -0
 
 
 def _block_codes(n: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

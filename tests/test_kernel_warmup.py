@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lookahead import affine_weights, kernel_warmup, numba_cache
-from lookahead.warmup_model import eight_bit_blocks, four_bit_blocks, warmup_model
+from lookahead.warmup_model import q4_1, q8_0, warmup_model
 
 # Generates with the default model (pinned arithmetic, a fixed cost curve: nothing measured) greedily and sampled,
 # then prints how many of lookahead's compiled functions' signatures numba had to compile (not in its cache).
@@ -122,7 +122,7 @@ def test_the_warmup_model_holds_the_default_models_block_forms():
 @pytest.mark.parametrize("spread", [0.02, 1.0, 30.0])
 def test_block_roundings_have_the_exact_forms(spread):
     weight = torch.randn(16, 64) * spread
-    four, eight = four_bit_blocks(weight), eight_bit_blocks(weight)
+    four, eight = q4_1(weight), q8_0(weight)
     assert affine_weights.affine_form(four) is not None and affine_weights.scaled_form(eight) is not None
     assert affine_weights.affine_form(weight) is None and affine_weights.scaled_form(weight) is None
 
