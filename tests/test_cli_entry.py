@@ -13,10 +13,10 @@ import pytest
 # torch and transformers were imported by then.
 RUN = """
 import sys
-from lookahead.cli.entry import main
+from lookahead.cli.entry import run
 sys.argv = ["lookahead", *{argv!r}]
 try:
-    main()
+    run()
 except SystemExit as exc:
     print(exc.code, "torch" in sys.modules, "transformers" in sys.modules)
 """
@@ -37,16 +37,36 @@ print(started[0], gc.isenabled(), gc.get_freeze_count())
 # The `generate` command run to its model's load (replaced by a report of the collector's state there).
 GENERATE = """
 import gc, sys, types
-from lookahead.cli.entry import main
+from lookahead.cli.entry import run
 stub = types.ModuleType("lookahead.cli.run")
 seen = []
 stub.run_generate = lambda *args, **kwargs: seen.extend((gc.isenabled(), gc.get_freeze_count()))
 sys.modules["lookahead.cli.run"] = stub
 sys.argv = ["lookahead", "generate", "hello", "--max-new-tokens", "2"]
 try:
-    main()
+    run()
 except SystemExit as exc:
     print(*seen, exc.code)
+"""
+
+
+# The console script `main` with the arguments {argv}, an exit handler, an object whose finalizer reports the
+# interpreter's teardown and, when {thread}, a thread that is not a daemon still running when the command ends.
+CONSOLE = """
+import atexit, sys, threading, time
+from lookahead.cli.entry import main
+
+class Torn:
+    def __del__(self):
+        print("torn down", flush=True)
+
+KEPT = Torn()
+atexit.register(lambda: print("exit handler", flush=True))
+if {thread}:
+    threading.Thread(target=lambda: (time.sleep(1.0), print("thread done", flush=True))).start()
+sys.argv = ["lookahead", *{argv!r}]
+main()
+print("not reached")
 """
 
 
@@ -101,3 +121,35 @@ def test_the_command_exits_without_leak_reports():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "/no/such/model" in done.stderr
     assert "leak" not in done.stderr
+
+
+def _console(argv: list[str], thread: bool = False) -> subprocess.CompletedProcess:
+    """The console script run in a fresh interpreter (see CONSOLE), its output piped."""
+    code = CONSOLE.format(argv=argv, thread=thread)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("argv, status", [(["--help"], 0), (["no-such-command"], 2)])
+def test_the_console_script_ends_with_the_commands_status_its_output_flushed_and_no_teardown(argv, status):
+    done = _console(argv)
+    assert done.returncode == status
+    lines = done.stdout.strip().split("\n")
+    assert lines[-1] == "exit handler" and "torn down" not in lines and "not reached" not in lines
+    if status == 0:
+        assert "Usage: lookahead" in done.stdout and "serve" in done.stdout  # the whole help, flushed from the pipe
+    else:
+        assert "No such command" in done.stderr
+
+
+def test_a_thread_still_running_leaves_the_exit_to_the_interpreter():
+    """The control of the test above: the interpreter waits for the thread, then tears down as usual."""
+    done = _console(["--help"], thread=True)
+    assert done.returncode == 0
+    assert done.stdout.strip().split("\n")[-3:] == ["thread done", "exit handler", "torn down"]
+
+
+@pytest.mark.parametrize("code, status, stderr", [(None, 0, ""), (3, 3, ""), ("bad input", 1, "bad input\n")])
+def test_end_process_reads_the_status_as_system_exit_does(code, status, stderr):
+    done = subprocess.run([sys.executable, "-c", f"from lookahead.cli.entry import end_process; end_process({code!r})"],
+                          capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stderr) == (status, stderr)
