@@ -10,7 +10,9 @@ default model's), and generates with it greedily and sampled, with its arithmeti
 (nothing measured, one thread), which compiles the kernels a real generation calls into the same on-disk cache. The
 command waits for it before it packs, measures or generates anything (`finish`: measurements must not share the cores
 with a compiler), compiling the drafters' kernels itself meanwhile (the same model on PyTorch's plain layers, seeded
-sampling too, `warm("drafting")`: ~10 s of the ~45), then finds the kernels compiled. If the helper fails or runs past
+sampling too, `warm("drafting")`: ~13 s of the ~45), then finds the kernels compiled. The two go in opposite orders
+(`_runs`): the helper compiles the model's kernels first (the fused decoder alone ~20 s) and token recycling's last,
+the command starts with token recycling's, so a function is rarely compiled twice. If the helper fails or runs past
 WAIT_SECONDS it is stopped, and the command compiles what is missing itself, as before. `$LOOKAHEAD_KERNEL_WARMUP=0`
 turns the helper off; it never starts under torchrun (every rank would start one) or when `$NUMBA_CACHE_DIR` is the
 user's.
@@ -34,6 +36,8 @@ WAIT_SECONDS = 300.0  # the helper's compile takes ~50 s on the 2-core AVX2 mach
 # when the command compiled them meanwhile: `finish`).
 HELPERS = ((sys.executable, "-m", "lookahead.kernel_warmup", "model"),)
 _running: list[subprocess.Popen] = []
+OFF_FIELDS = ("window_levels", "pool_candidates", "prompt_candidates", "recycle_nodes", "head_candidates",
+              "tree_budget")
 
 
 def start(commands: tuple[tuple[str, ...], ...] = HELPERS) -> bool:
@@ -116,19 +120,34 @@ def main(part: str = "model") -> None:
 def warm(part: str) -> None:
     """Generate with a tiny block-weight model greedily and sampled (see the module docstring), on the model's own
     arithmetic (`part` "model") or on PyTorch's plain layers ("drafting", seeded sampling too), compiling what that
-    calls."""
+    calls, in the order `_runs` gives."""
     if part not in ("model", "drafting"):
         raise ValueError(f"part must be 'model' or 'drafting', got {part!r}")
     from .hf import Lookahead
-    from .warmup_model import WARMUP_CONFIG, WARMUP_CURVE, warmup_model, warmup_prompt
+    from .warmup_model import WARMUP_CURVE, warmup_model, warmup_prompt
 
-    config = WARMUP_CONFIG if part == "model" else WARMUP_CONFIG.with_overrides(packed_linear=False)
     model, prompt = warmup_model(), warmup_prompt()
-    sampled = {"do_sample": True, "temperature": 0.7, "top_p": 0.95}
-    runs = (({"do_sample": False}, None), (sampled, None)) + (((sampled, 0),) if part == "drafting" else ())
-    for kwargs, seed in runs:
+    for config, kwargs, seed in _runs(part):
         decoder = Lookahead(config, cost_curve=WARMUP_CURVE, seed=seed)
         model.generate(prompt, max_new_tokens=32, custom_generate=decoder, **kwargs)
+
+
+def _runs(part: str) -> list[tuple]:
+    """(config, generate keywords, seed) of each warm-up generation of `part`. The helper ("model") compiles the
+    model's kernels first (speculation off), then the drafters other than token recycling, then everything; the
+    command ("drafting") starts with token recycling's kernels (the largest share, compiled when its table is made)
+    and finds the rest compiled by the helper meanwhile, so the two processes rarely compile the same function."""
+    from .config import LookaheadConfig
+    from .warmup_model import WARMUP_CONFIG
+
+    greedy, sampled = {"do_sample": False}, {"do_sample": True, "temperature": 0.7, "top_p": 0.95}
+    if part == "drafting":
+        plain = WARMUP_CONFIG.with_overrides(packed_linear=False)
+        return [(plain, greedy, None), (plain, sampled, None), (plain, sampled, 0)]
+    off = WARMUP_CONFIG.with_overrides(**{name: getattr(LookaheadConfig.off(), name) for name in OFF_FIELDS})
+    unrecycled = WARMUP_CONFIG.with_overrides(recycle_nodes=0)
+    return [(off, greedy, None), (unrecycled, greedy, None), (unrecycled, sampled, None),
+            (WARMUP_CONFIG, greedy, None), (WARMUP_CONFIG, sampled, None)]
 
 
 if __name__ == "__main__":  # pragma: no cover - run as a helper process

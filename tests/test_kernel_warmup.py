@@ -110,6 +110,16 @@ def test_a_helper_takes_a_known_part_only():
         kernel_warmup.main("everything")
 
 
+def test_the_helper_compiles_the_model_first_and_recycling_last_the_command_recycling_first():
+    helper, command = kernel_warmup._runs("model"), kernel_warmup._runs("drafting")
+    assert not helper[0][0].speculates and helper[0][0].packed_linear  # the model's kernels alone
+    recycles = [config.recycle_nodes > 0 for config, _, _ in helper]
+    assert recycles == sorted(recycles) and recycles[-1] and helper[1][0].speculates
+    assert {kwargs["do_sample"] for _, kwargs, _ in helper[1:3]} == {False, True}  # the other drafters, both ways
+    assert command[0][0].recycle_nodes > 0 and not any(config.packed_linear for config, _, _ in command)
+    assert [seed for _, _, seed in command] == [None, None, 0]
+
+
 def test_the_warmup_model_holds_the_default_models_block_forms():
     model = warmup_model()
     layers = [m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
