@@ -36,8 +36,6 @@ WAIT_SECONDS = 300.0  # the helper's compile takes ~50 s on the 2-core AVX2 mach
 # when the command compiled them meanwhile: `finish`).
 HELPERS = ((sys.executable, "-m", "lookahead.kernel_warmup", "model"),)
 _running: list[subprocess.Popen] = []
-OFF_FIELDS = ("window_levels", "pool_candidates", "prompt_candidates", "recycle_nodes", "head_candidates",
-              "tree_budget")
 
 
 def start(commands: tuple[tuple[str, ...], ...] = HELPERS) -> bool:
@@ -144,7 +142,9 @@ def _runs(part: str) -> list[tuple]:
     if part == "drafting":
         plain = WARMUP_CONFIG.with_overrides(packed_linear=False)
         return [(plain, greedy, None), (plain, sampled, None), (plain, sampled, 0)]
-    off = WARMUP_CONFIG.with_overrides(**{name: getattr(LookaheadConfig.off(), name) for name in OFF_FIELDS})
+    off, default = LookaheadConfig.off(), LookaheadConfig()
+    off = WARMUP_CONFIG.with_overrides(**{name: value for name, value in off.as_dict().items()
+                                          if value != getattr(default, name)})  # speculation off, as `off()` has it
     unrecycled = WARMUP_CONFIG.with_overrides(recycle_nodes=0)
     return [(off, greedy, None), (unrecycled, greedy, None), (unrecycled, sampled, None),
             (WARMUP_CONFIG, greedy, None), (WARMUP_CONFIG, sampled, None)]
