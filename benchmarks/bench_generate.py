@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     close_load_average(machine)
     result["settings"]["skip_prompts"] = args.skip_prompts  # held out: each category's first N left out
     with generation_arithmetic(model, args.lookahead_config):  # the curve the lookahead runs planned on
-        result["cost_curve"] = json.loads(cost_curve_for(model).to_json())
+        result["cost_curve"] = json.loads(cost_curve_for(model, rows=args.lookahead_config.step_rows).to_json())
     draft_name = f"first {args.draft_layers} layers of the model" if args.draft_layers else args.draft_model
     result = headed(result, machine, model=args.model or "SmolLM2-135M-Instruct (embedded default)",
                     draft_model=draft_name)

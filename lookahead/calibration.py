@@ -1,6 +1,9 @@
 """Measuring the cost curve (`cost_curve.CostCurve`): timed forwards of k rows on synthetic caches, measured again
 while implausible, cached in memory and on disk per model / device / dtype / thread count / linear arithmetic
-(`lookahead calibrate` prints it). Tensor-parallel ranks take rank 0's cache and verdicts and measure in lockstep.
+(`lookahead calibrate` prints it). A generation asks for the rows its configuration can verify in a step, and the
+curve is measured up to there (`curve_sizes`; further when a later configuration asks for more): the sizes above a
+default step's 17 rows took two thirds of the measurement on the 2-core AVX2 machine. Tensor-parallel ranks take rank
+0's cache and verdicts and measure in lockstep.
 """
 
 from __future__ import annotations
@@ -56,24 +59,41 @@ def digest(parts: list[str]) -> str:
 _MEMORY: dict[str, CostCurve] = {}
 
 
-def cost_curve_for(model, refresh: bool = False, quiet: bool = False, batch: int = 1) -> CostCurve:
+def cost_curve_for(model, refresh: bool = False, quiet: bool = False, batch: int = 1,
+                   rows: int | None = None) -> CostCurve:
     """The model's cost curve for `batch` sequences: from memory, else from the disk cache (re-measured when the
     cached file is unreadable or implausible), else measured (several seconds, progress on stderr) and cached.
-    Tensor-parallel ranks (see `distributed.agreement`) take rank 0's cache and decisions and measure together."""
+    `rows`, the most rows per sequence a step of the caller's configuration verifies, limits a new measurement to
+    the sizes up to the first that reaches it (`curve_sizes`: the larger ones cost most to time and would never be
+    used); a curve found that does not reach `rows` is measured again to it, so every curve in use is measured where
+    it is read. None measures every size. Tensor-parallel ranks (see `distributed.agreement`) take rank 0's cache and
+    decisions and measure together."""
     key = curve_key(model, batch)
     path = cache_dir() / "cost" / f"{key}.json"
     quiet = quiet or not is_leader()
+    sizes = curve_sizes(rows, batch)
     found = _remembered(key, path, quiet) if not refresh and is_leader() else None
+    found = found if found is not None and found.sizes[-1] >= sizes[-1] else None
     found = leader_value(found)
     if found is None:
         what = "" if batch == 1 else f" at batch size {batch}"
         say(quiet, f"lookahead: measuring this model's verification cost curve{what} (cached in {path.parent})")
-        found = robust_cost_curve(model, batch, quiet)
+        found = robust_cost_curve(model, batch, quiet, sizes=sizes)
         if is_leader():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(found.to_json())
     _MEMORY[key] = found
     return found
+
+
+def curve_sizes(rows: int | None = None, batch: int = 1) -> tuple[int, ...]:
+    """The rows per sequence a curve of `batch` sequences measures: CURVE_SIZES up to 64 rows in all
+    (`batch_sizes`), and, when `rows` is given, only up to the first size that reaches `rows` (at least 1, 2, 4)."""
+    sizes = CURVE_SIZES if batch == 1 else batch_sizes(batch)
+    if rows is None:
+        return sizes
+    reach = next((i for i, k in enumerate(sizes) if k >= rows), len(sizes) - 1)
+    return sizes[:max(reach + 1, 3)]
 
 
 def _remembered(key: str, path, quiet: bool) -> CostCurve | None:
@@ -89,11 +109,12 @@ def _remembered(key: str, path, quiet: bool) -> CostCurve | None:
     return None
 
 
-def robust_cost_curve(model, batch: int = 1, quiet: bool = True, attempts: int = 2) -> CostCurve:
-    """Measure the curve; measure again (more repeats) while it is implausible; after `attempts` the
-    conservative default (with the measured one-row time), announced on stderr. Tensor-parallel ranks measure
-    in lockstep and follow rank 0's verdicts."""
-    sizes = CURVE_SIZES if batch == 1 else batch_sizes(batch)
+def robust_cost_curve(model, batch: int = 1, quiet: bool = True, attempts: int = 2,
+                      sizes: tuple[int, ...] | None = None) -> CostCurve:
+    """Measure the curve at `sizes` rows per sequence (None: `curve_sizes` for `batch`); measure again (more
+    repeats) while it is implausible; after `attempts` the conservative default (with the measured one-row time),
+    announced on stderr. Tensor-parallel ranks measure in lockstep and follow rank 0's verdicts."""
+    sizes = curve_sizes(None, batch) if sizes is None else sizes
     curve = None
     for attempt in range(attempts):
         curve = leader_value(measure_cost_curve(model, sizes, batch=batch, repeats=5 + 4 * attempt))

@@ -158,6 +158,11 @@ class LookaheadConfig:
         return self.tree_budget > 0 and (self.pool_candidates > 0 or self.prompt_candidates > 0
                                          or self.recycle_nodes > 0 or self.drafts_with_head)
 
+    @property
+    def step_rows(self) -> int:
+        """The most rows a step verifies per sequence: the root, `tree_budget` draft nodes and the window's rows."""
+        return 1 + self.tree_budget + self.window_size
+
     @classmethod
     def off(cls) -> "LookaheadConfig":
         """A config with speculation turned off: the same loop, one token per step (`--mode off`)."""

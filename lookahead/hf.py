@@ -145,14 +145,16 @@ class Lookahead:
                                          logits=logits if generation_config.output_logits else None)
 
     def _cost_curve(self, model, batch: int = 1):
-        """The model's measured cost curve at `batch` sequences when the budget adapts (measured once, then
-        cached on disk; the fixed `cost_curve` instead when one was given), else None."""
+        """The model's measured cost curve at `batch` sequences when the budget adapts (measured once up to the
+        most rows a step of this configuration verifies, then cached on disk; the fixed `cost_curve` instead when one
+        was given), else None."""
         drafts = self.config.speculates or (self.draft_model is not None and self.config.tree_budget > 0)
         if not (self.config.adaptive and drafts):
             return None
         if self.fixed_curve is not None:
             return replace(self.fixed_curve, batch=batch)
-        return leader_value(cost_curve_for(model, batch=batch))  # one curve for all tensor-parallel ranks
+        curve = cost_curve_for(model, batch=batch, rows=self.config.step_rows)
+        return leader_value(curve)  # one curve for all tensor-parallel ranks
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ def injected_cost_curve(monkeypatch):
     nothing is measured on the machine running the tests, or written into the user's cache (tests of the
     measurement restore the originals)."""
     for module in (hf, calibration):
-        monkeypatch.setattr(module, "cost_curve_for", lambda model, refresh=False, quiet=False, batch=1:
+        monkeypatch.setattr(module, "cost_curve_for", lambda model, refresh=False, quiet=False, batch=1, rows=None:
                             replace(INJECTED_CURVE, batch=batch))
     for module in (hf, row_kernels):
         monkeypatch.setattr(module, "row_kernels_for", lambda model, refresh=False, quiet=False:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_cost_curve import POISONED, REAL
 from tiny_models import build_tiny_model
 
 from lookahead import calibration
-from lookahead.calibration import cost_curve_for, curve_key, measure_cost_curve
+from lookahead.calibration import cost_curve_for, curve_key, curve_sizes, measure_cost_curve
 from lookahead.cost_curve import CURVE_SIZES, CostCurve, implausible
 
 FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.01, 1.02, 1.05, 1.1, 1.2), 0.05)
@@ -45,6 +46,35 @@ def test_cost_curve_for_caches_on_disk_and_in_memory(tmp_path, monkeypatch):
     cost_curve_for(model, refresh=True, quiet=True)
     cost_curve_for(model, quiet=True, batch=4)  # another batch size: its own curve and file
     assert calls == [1, 1, 4] and len(list((tmp_path / "cost").glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("rows, batch, sizes", [
+    (None, 1, CURVE_SIZES), (17, 1, (1, 2, 4, 8, 12, 16, 24)), (24, 1, (1, 2, 4, 8, 12, 16, 24)),
+    (25, 1, (1, 2, 4, 8, 12, 16, 24, 32)), (1, 1, (1, 2, 4)), (3, 1, (1, 2, 4)), (500, 1, CURVE_SIZES),
+    (9, 4, (1, 2, 4, 8, 12)), (17, 4, (1, 2, 4, 8, 12, 16)), (None, 64, (1, 2, 4))])
+def test_curve_sizes_reach_the_rows_a_step_verifies_and_no_further(rows, batch, sizes):
+    assert curve_sizes(rows, batch) == sizes
+
+
+def test_a_curve_is_measured_to_the_rows_asked_and_further_when_more_are_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "_MEMORY", {})
+    measured = []
+
+    def measure(model, sizes, batch, repeats):
+        measured.append(sizes)
+        return CostCurve(sizes, tuple(1.0 + 0.1 * (k - 1) for k in sizes), 0.05)
+
+    monkeypatch.setattr(calibration, "measure_cost_curve", measure)
+    model = build_tiny_model("llama")
+    assert cost_curve_for(model, quiet=True, rows=17).sizes[-1] == 24
+    assert cost_curve_for(model, quiet=True, rows=5).sizes[-1] == 24  # a wider curve serves fewer rows
+    monkeypatch.setattr(calibration, "_MEMORY", {})
+    assert cost_curve_for(model, quiet=True, rows=9).sizes[-1] == 24  # from the disk as well
+    assert cost_curve_for(model, quiet=True, rows=40).sizes[-1] == 48  # measured again, further
+    monkeypatch.setattr(calibration, "_MEMORY", {})
+    assert cost_curve_for(model, quiet=True).sizes == CURVE_SIZES  # every size (`lookahead calibrate`)
+    assert measured == [curve_sizes(17), curve_sizes(40), CURVE_SIZES]
 
 
 def _use_tmp_cache(tmp_path, monkeypatch, measured):

@@ -318,6 +318,21 @@ def test_patched_equals_unpatched_full_output(model, case, batch):
     assert torch.equal(plain, patched)
 
 
+@pytest.mark.parametrize("options, rows", [({}, 17), ({"tree_budget": 8}, 9),
+                                           ({"window_levels": 2, "window_columns": 3}, 17 + 6)])
+def test_the_curve_is_asked_for_the_most_rows_a_step_verifies(model, monkeypatch, injected_cost_curve, options,
+                                                             rows):
+    from lookahead import hf
+
+    asked = []
+    monkeypatch.setattr(hf, "cost_curve_for", lambda model, batch=1, rows=None, **kwargs:
+                        asked.append(rows) or injected_cost_curve)
+    config = LookaheadConfig(**options)
+    assert config.step_rows == rows
+    model.generate(repetitive_prompt(1), do_sample=False, max_new_tokens=4, custom_generate=Lookahead(config))
+    assert asked == [rows]
+
+
 def test_a_fixed_cost_curve_replaces_the_measurement_and_the_timings(model, monkeypatch):
     """`Lookahead(cost_curve=...)` never measures, plans on that curve alone and stays exact: two runs take the
     same steps even though their forwards' timings differ."""

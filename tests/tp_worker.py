@@ -29,7 +29,7 @@ def main(folder: str, out: str, prompts: list[list[int]], new_tokens: int) -> No
     model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32).eval()
     rank = dist.get_rank()
     curve = CHEAP if rank == 0 else DEAR  # a rank that followed its own curve would verify other shapes
-    hf.cost_curve_for = lambda model, refresh=False, quiet=False, batch=1: replace(curve, batch=batch)
+    hf.cost_curve_for = lambda model, refresh=False, quiet=False, batch=1, rows=None: replace(curve, batch=batch)
     hf.row_kernels_for = lambda model, refresh=False, quiet=False: RowKernels(1, 0)  # the same on every rank
     torch.manual_seed(100 + rank)  # unseeded sampling must still agree: rank 0's generator is adopted
     results = {"rank": rank, "runs": []}
