@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from .affine_kernel import AFFINE_BLOCK as BLOCK  # GGUF's Q4_1 and Q8_0 blocks: 32 weights
 from .config import LookaheadConfig
 from .cost_curve import CURVE_SIZES, CostCurve
 
-BLOCK = 32
 VOCAB = 512
 # Pinned arithmetic (nothing measured): every product of up to 64 rows on the streamed kernel.
 WARMUP_CONFIG = LookaheadConfig(default_matmul_rows=0, streamed_matmul_rows=64)
@@ -34,7 +34,7 @@ def warmup_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).float().eval()
     with torch.no_grad():
-        for name, module in model.named_modules():
+        for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.weight is not model.get_output_embeddings().weight:
                 module.weight.copy_(q4_1(module.weight))
         embeddings = model.get_input_embeddings().weight
