@@ -100,27 +100,70 @@ def _reference_first_fit(values, exact, offset, codes_range, codes_dtype=torch.f
     return None
 
 
-def test_the_compiled_search_finds_the_reference_forms_bit_for_bit(monkeypatch):
-    """The compiled search gives the very scales and codes of the search written as tensor operations, zero blocks,
-    blocks that need a float16 neighbour and the 8-bit form included, and refuses a weight one of whose last
-    blocks has no form."""
+def _reference_form(weight: torch.Tensor, affine: bool):
+    """`affine_form(weight)` (`affine`) or `scaled_form(weight)` as tensor operations: (scales, offsets, codes as
+    float32) or None."""
+    n, k = weight.shape
+    values = weight.reshape(n, k // 32, 32)
+    if affine:
+        low, high = values.amin(-1, keepdim=True), values.amax(-1, keepdim=True)
+        inputs = (values, (high.double() - low.double()) / affine_weights.LEVELS, low, (0, affine_weights.LEVELS))
+    else:
+        top = values.abs().amax(-1, keepdim=True)
+        inputs = (values, top.double() / 127, torch.zeros_like(top), (-127, 127))
+    if not bool(torch.isfinite(inputs[1]).all()):
+        return None
+    found = _reference_first_fit(*inputs)
+    return None if found is None else (found[0].reshape(n, -1), inputs[2].reshape(n, -1), found[1].reshape(n, k))
+
+
+def _same_form(found, expected) -> bool:
+    """Whether the compiled search's form (`affine_form`'s or `scaled_form`'s) is the reference's bit for bit."""
+    scales, offsets, codes = expected
+    if len(found) == 2:  # scaled_form: (d, q), the offsets all zero
+        found = (found[0], torch.zeros_like(found[0]), found[1])
+    return _bits_equal(found[0], scales) and _bits_equal(found[1], offsets) and torch.equal(found[2].float(), codes)
+
+
+def test_the_compiled_search_finds_the_reference_forms_bit_for_bit():
+    """The compiled search gives the very scales, offsets and codes of the search written as tensor operations, zero
+    blocks, blocks that need a float16 neighbour and the 8-bit form included, and refuses a weight one of whose last
+    blocks has no form, or that holds a NaN."""
     weight = q4_1(torch.randn(40, 256, generator=torch.Generator().manual_seed(5)))
     weight[3] = 0.0  # blocks of zeros: d = 0
-    seen = []
-    reference = affine_weights._first_fit
-    monkeypatch.setattr(affine_weights, "_first_fit", lambda *args: seen.append(
-        (_reference_first_fit(*args), reference(*args))) or seen[-1][1])
     for case in (weight, q4_0(30, 128, 2), _needs_neighbours(64)):
-        assert affine_form(case) is not None
-    assert affine_weights.scaled_form(q8_0(torch.randn(30, 128))) is not None
-    for expected, found in seen:
-        assert all(_bits_equal(a, b) for a, b in zip(expected, found))
+        assert _same_form(affine_form(case), _reference_form(case, True))
+    for case in (q8_0(torch.randn(30, 128)), q8_0(torch.randn(4, 64) * 1e-6), torch.zeros(3, 32)):
+        assert _same_form(affine_weights.scaled_form(case), _reference_form(case, False))
     nudged = weight.clone()
     nudged[39, 250] = torch.nextafter(nudged[39, 250], torch.tensor(float("inf")))  # in the last block
-    assert affine_form(nudged) is None and _reference_first_fit(*_search_inputs(nudged)) is None
+    assert affine_form(nudged) is None and _reference_form(nudged, True) is None
     signed = weight.clone()
     signed[5, :32] = -0.0  # -0.0 + 0·d rounds to +0.0: the sign of zero is compared too, by both
-    assert affine_form(signed) is None and _reference_first_fit(*_search_inputs(signed)) is None
+    assert affine_form(signed) is None and _reference_form(signed, True) is None
+    for form, affine in ((affine_form, True), (affine_weights.scaled_form, False)):
+        missing = weight.clone()
+        missing[20, 70] = float("nan")  # NaN is neither a block's minimum nor its maximum, and never rebuilt
+        assert form(missing) is None and _reference_form(missing, affine) is None
+
+
+def test_the_scale_candidates_are_torchs_float16_and_its_neighbours():
+    """`_candidates` rounds a float64 scale to float16 as torch does (through float32: ties to even twice), then
+    takes the float16 neighbours above and towards zero, over float16's whole range: subnormals, the smallest
+    normal, halfway cases, the largest value and past it."""
+    generator = torch.Generator().manual_seed(3)
+    halves = torch.arange(0, 0x7C01, dtype=torch.int32).to(torch.int16).view(torch.float16)  # 0 … +inf
+    spacing = torch.nextafter(halves, halves.new_full((), float("inf"))).double() - halves.double()
+    between = halves.double() + spacing * torch.tensor([0.25, 0.5, 0.75]).double()[:, None]  # ties included
+    scales = torch.cat([halves.double(), between.flatten(), torch.rand(2000, generator=generator, dtype=torch.float64),
+                        1 + 2.0 ** -11 + torch.tensor([2.0 ** -40, -(2.0 ** -40)], dtype=torch.float64),
+                        torch.tensor([65519.9, 65520.0, 1e6, 2.0 ** -25, 2.0 ** -26, 0.0], dtype=torch.float64)])
+    scales = scales[torch.isfinite(scales)]
+    half = scales.to(torch.float16)
+    expected = torch.stack([half, torch.nextafter(half, half.new_full((), float("inf"))),
+                            torch.nextafter(half, half.new_zeros(()))], dim=1).float()
+    found = torch.tensor([affine_weights._candidates(float(x)) for x in scales], dtype=torch.float32)
+    assert _bits_equal(found, expected)
 
 
 def _needs_neighbours(n: int) -> torch.Tensor:
