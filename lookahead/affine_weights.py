@@ -32,6 +32,8 @@ from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS
 from .streamed_gemm import StreamedWeight
 
 LEVELS = 15  # the largest 4-bit code: a Q4_1 block's maximum weight has code 15 (its minimum code 0)
+SIGNED_LEVELS = 127  # the largest 8-bit code of a Q8_0 block (its codes run -127…127)
+HALF_INFINITY = 0x7C00  # float16 +inf's bits
 PROBE_ROWS = 64  # rows checked first, so a matrix without the form (an LM head of 28M weights) is refused quickly
 
 
@@ -87,7 +89,7 @@ def _find_blocks(values, affine, scales, offsets, codes):  # pragma: no cover - 
     the q. Whether every block found one (False as well for a block holding an infinity or a NaN: the range of an
     infinite block is not finite, and a NaN is never rebuilt)."""
     misses = 0
-    levels = np.float32(15.0 if affine else 127.0)
+    levels = np.float32(LEVELS if affine else SIGNED_LEVELS)
     low = np.float32(0.0) if affine else -levels
     for b in numba.prange(values.shape[0]):
         block = values[b]
@@ -114,9 +116,6 @@ def _candidates(exact):  # pragma: no cover - compiled
     towards zero — float16 values only, so that d·q is exact for 8-bit codes."""
     bits = _half_bits(np.float32(exact))
     return _half_value(bits), _half_value(min(bits + 1, HALF_INFINITY)), _half_value(max(bits - 1, 0))
-
-
-HALF_INFINITY = 0x7C00  # float16 +inf's bits
 
 
 @numba.njit(cache=True, nogil=True)
@@ -162,7 +161,7 @@ def _block_fits(block, d, base, low, high, codes):  # pragma: no cover - compile
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _misses(rebuilt, value):  # pragma: no cover - compiled
-    """1 unless `rebuilt` is `value` bit for bit (the sign of zero included), else 0."""
+    """0 when `rebuilt` is `value` bit for bit (the sign of zero included), else 1."""
     return int((rebuilt != value) | (np.signbit(rebuilt) != np.signbit(value)))
 
 
