@@ -104,11 +104,10 @@ def _reference_form(weight: torch.Tensor, affine: bool):
     """`affine_form(weight)` (`affine`) or `scaled_form(weight)` as tensor operations: (scales, offsets, codes as
     float32) or None."""
     n, k = weight.shape
-    values = weight.reshape(n, k // 32, 32)
     if affine:
-        low, high = values.amin(-1, keepdim=True), values.amax(-1, keepdim=True)
-        inputs = (values, (high.double() - low.double()) / affine_weights.LEVELS, low, (0, affine_weights.LEVELS))
+        inputs = _search_inputs(weight)
     else:
+        values = weight.reshape(n, k // 32, 32)
         top = values.abs().amax(-1, keepdim=True)
         inputs = (values, top.double() / 127, torch.zeros_like(top), (-127, 127))
     if not bool(torch.isfinite(inputs[1]).all()):
