@@ -5,7 +5,9 @@ model's own weights (MKL: quick for 1–3 rows on some Intel CPUs), the streamed
 weights streamed once for any row count) and oneDNN's prepacked product (what large products such as a prompt's
 prefill use without the streamed kernel). Which is faster for k rows depends on the CPU, so it is measured: every
 packed weight's product of k random rows on each kernel, kernels and row counts interleaved, a low quantile per
-kernel.
+kernel. A row count whose first timed round already shows one kernel at most SETTLED_RATIO of the other's time is
+not timed again (the default matmul on few rows took 5x the streamed kernel's time on the AVX2 machine: timing it
+again only spent the first run's seconds).
 The answer is two row counts (`RowKernels`): up to `default_rows` rows the default matmul, up to `streamed_rows`
 the streamed kernel, above that oneDNN — or, when the streamed kernel is used at all, the default matmul or oneDNN
 on the layers' own weights, whichever a product of LARGE_PROBE rows measured faster (`large`; no copy of the
@@ -43,6 +45,9 @@ MEASURE_BUDGET = 3.0  # seconds the timed rounds may take (at least 2 rounds)
 CHOICE_VERSION = 7
 LARGE_PROBE = 128  # rows of the product (a short prompt's prefill) that decides the kernel above the streamed rows
 LARGE_ROUNDS = 3  # timed rounds of that product on each kernel
+SHAPED_FIRST_CALLS = ("packed", "onednn")  # kernels whose first call at each product shape pays for its setup
+SETTLED_RATIO = 0.5  # after the first timed round, a row count where one kernel took at most this share of the
+# other's time is decided: later rounds time only the row counts still in question
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,8 @@ def apply_row_kernels(model, kernels: RowKernels) -> None:
 
 def row_kernels_for(model, refresh: bool = False, quiet: bool = False) -> RowKernels:
     """The kernel choice for the model's packed linear layers on this machine: from memory or the disk cache,
-    else measured (`measure_row_kernels`, ~3 s, a notice on stderr) and cached. Tensor-parallel ranks take rank
-    0's answer."""
+    else measured (`measure_row_kernels`, ~8 s on the 2-core AVX2 machine, a notice on stderr) and cached.
+    Tensor-parallel ranks take rank 0's answer."""
     from . import streamed_gemm
 
     key = digest(model_parts(model) + [f"row-kernels-{CHOICE_VERSION}", f"streamed={streamed_gemm.available()}",
@@ -164,17 +169,41 @@ def _choose_large(weights, budget_seconds: float) -> str:
 
 def _low_times(weights, plan: list[tuple[int, str]], repeats: int, budget_seconds: float,
                least: int) -> dict[tuple[int, str], float]:
-    """The low-quantile seconds of each (rows, kernel) of `plan` over timed rounds after a warm-up round (which
-    builds the layouts and makes the first calls): `repeats` rounds, fewer (at least `least`) when the first timed
-    one shows that they would take longer than `budget_seconds`."""
+    """The low-quantile seconds of each (rows, kernel) of `plan` over timed rounds after a warm-up (`_warm_up`):
+    `repeats` rounds, fewer (at least `least`) when the first timed one shows that they would take longer than
+    `budget_seconds`; the rounds after the first time only the row counts it left unsettled (`_unsettled`)."""
     times = {entry: [] for entry in plan}
-    _time_round(weights, plan, {entry: [] for entry in plan})
-    start = time.perf_counter()
+    _warm_up(weights, plan)
     _time_round(weights, plan, times)
-    rounds = max(least, min(repeats, int(budget_seconds / max(time.perf_counter() - start, 1e-9))))
-    for _ in range(rounds - 1):
-        _time_round(weights, plan, times)
+    rest = _unsettled(plan, times)
+    if rest:
+        seconds = sum(times[entry][0] for entry in rest)
+        rounds = max(least, min(repeats, int(budget_seconds / max(seconds, 1e-9))))
+        for _ in range(rounds - 1):
+            _time_round(weights, rest, times)
     return {entry: float(np.quantile(seconds, CURVE_QUANTILE)) for entry, seconds in times.items()}
+
+
+def _warm_up(weights, plan: list[tuple[int, str]]) -> None:
+    """Untimed first calls: each kernel of `plan` once on every weight, which builds the layouts and loads the
+    kernels — at every planned row count for oneDNN's (SHAPED_FIRST_CALLS: it makes a primitive per product shape),
+    at the fewest rows for the others (their first call at a new row count measured no slower than later ones)."""
+    fewest = {}
+    for rows, name in plan:
+        fewest[name] = min(rows, fewest.get(name, rows))
+    first_calls = [(rows, name) for rows, name in plan if name in SHAPED_FIRST_CALLS or rows == fewest[name]]
+    _time_round(weights, first_calls, {entry: [] for entry in first_calls})
+
+
+def _unsettled(plan: list[tuple[int, str]], times: dict) -> list[tuple[int, str]]:
+    """The entries of `plan` whose row count the timed rounds so far leave in question: every kernel's time there
+    more than SETTLED_RATIO of another's (a row count timed on one kernel only is never in question)."""
+    by_rows = {}
+    for rows, name in plan:
+        by_rows.setdefault(rows, []).append(min(times[rows, name]))
+    open_rows = {rows for rows, seconds in by_rows.items()
+                 if len(seconds) > 1 and min(seconds) > SETTLED_RATIO * max(seconds)}
+    return [entry for entry in plan if entry[0] in open_rows]
 
 
 def _plan(streamed: bool) -> list[tuple[int, str]]:

@@ -3,6 +3,7 @@ this machine is asserted), its cache and the curve key."""
 
 from __future__ import annotations
 
+import collections
 import types
 
 import pytest
@@ -23,6 +24,7 @@ class _FakeClock:
 
     def __init__(self, ms: dict):
         self.now, self.ms, self.calls = 0.0, ms, {name: 0 for name in ms}
+        self.passes = collections.Counter()  # (kernel, rows) -> products computed, over all weights
 
     def perf_counter(self) -> float:
         return self.now
@@ -37,6 +39,7 @@ class _FakeClock:
     def _kernel(self, name):
         def product(x, packed):
             self.calls[name] += 1
+            self.passes[name, x.shape[0]] += 1
             self.now += self.ms[name](x.shape[0]) / 1000 / WEIGHTS
         return product
 
@@ -90,14 +93,16 @@ def test_a_streamed_kernel_that_never_wins_hands_the_choice_to_the_default_matmu
     assert clock.calls["packed"] > 0
 
 
-@pytest.mark.parametrize("onednn_ms, expected", [(lambda r: 0.5 * r, "onednn"), (lambda r: 0.97 * r, "default"),
-                                                 (lambda r: 2.0 * r, "default")])
+@pytest.mark.parametrize("onednn_ms, expected, rounds", [(lambda r: 0.5 * r, "onednn", 1),
+                                                         (lambda r: 0.97 * r, "default", row_kernels.LARGE_ROUNDS),
+                                                         (lambda r: 2.0 * r, "default", 1)])
 def test_products_above_the_streamed_rows_take_unpacked_onednn_where_it_clearly_beats_the_default_matmul(
-        monkeypatch, onednn_ms, expected):
+        monkeypatch, onednn_ms, expected, rounds):
     found, clock = _measure(monkeypatch, {"default": lambda r: 1.0 * r, "packed": ONEDNN, "streamed": STREAM_FAST,
                                           "onednn": onednn_ms}, repeats=2)
     assert found == RowKernels(1, TOP, expected)
-    assert clock.calls["onednn"] == (1 + row_kernels.LARGE_ROUNDS) * WEIGHTS  # a warm-up and the timed rounds
+    # a warm-up and the timed rounds: one when the first shows one kernel at half the other's time or less
+    assert clock.calls["onednn"] == (1 + rounds) * WEIGHTS
     assert clock.calls["packed"] == 0
 
 
@@ -117,8 +122,32 @@ def test_a_model_that_streams_slowly_gets_fewer_rounds(monkeypatch):
                             budget_seconds=3.0)
     assert found == RowKernels(0, TOP)  # a tie: the streamed kernel keeps its rows
     rows = len(set(range(1, row_kernels.MAX_DEFAULT_ROWS + 1)) | set(row_kernels.STREAMED_PROBES))
-    assert clock.calls["default"] == (1 + 2) * rows * WEIGHTS + (1 + 1) * WEIGHTS  # the warm-up and the minimum of
-    # 2 timed rounds, not 7; for the large product a warm-up and 1 round, not LARGE_ROUNDS
+    assert clock.calls["default"] == (1 + 2 * rows) * WEIGHTS + (1 + 1) * WEIGHTS  # a warm-up at 1 row and the
+    # minimum of 2 timed rounds, not 7; for the large product a warm-up and 1 round, not LARGE_ROUNDS
+
+
+def test_row_counts_the_first_round_settles_are_not_timed_again(monkeypatch):
+    """Where one kernel took at most SETTLED_RATIO of the other's time in the first timed round, the row count is
+    decided either way; the rounds after it time only the row counts still in question."""
+    default = lambda r: 20.0 if r <= 3 else 0.5 if r == 4 else 2.1 + 0.01 * r  # noqa: E731
+    found, clock = _measure(monkeypatch, {"default": default, "packed": ONEDNN, "streamed": STREAM_FAST},
+                            repeats=5, budget_seconds=1e9)
+    assert found == RowKernels(0, 2)  # the streamed kernel wins 1–3 rows by 10x, loses 4 rows by 4x
+    for kernel in ("default", "streamed"):
+        for rows in (1, 2, 3, 4):  # settled: one timed pass (and the warm-up's, at 1 row)
+            assert clock.passes[kernel, rows] == (1 + (rows == 1)) * WEIGHTS
+        for rows in (8, TOP):  # within 5% of each other: every round
+            assert clock.passes[kernel, rows] == 5 * WEIGHTS
+
+
+def test_the_warm_up_calls_each_kernel_once_and_onednn_at_every_shape(monkeypatch):
+    """First calls build layouts and load kernels, untimed: the default matmul (and the streamed kernel) at its
+    fewest rows only, oneDNN, which sets up a primitive per product shape, at every row count it is timed at."""
+    tie = lambda r: 1000.0  # noqa: E731 — nothing settles: the minimum of 2 timed rounds
+    _, clock = _measure(monkeypatch, {"default": tie, "packed": tie, "streamed": tie}, streamed=False, repeats=2)
+    for rows in range(1, row_kernels.MAX_DEFAULT_ROWS + 1):
+        assert clock.passes["packed", rows] == (1 + 2) * WEIGHTS
+        assert clock.passes["default", rows] == (2 + (rows == 1)) * WEIGHTS
 
 
 def test_row_kernels_for_caches_on_disk_and_in_memory_and_keys_the_curve(tmp_path, monkeypatch):
