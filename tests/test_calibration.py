@@ -31,6 +31,31 @@ def test_measuring_a_sliding_window_model_past_its_window():
     assert curve.prefix_len == 16 and curve.ratios[0] == 1.0
 
 
+@pytest.mark.parametrize("family, extra", [("llama", {}), ("mistral", {"sliding_window": 8}), ("gemma3", {})])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_measurement_cache_holds_the_prefix_a_prefill_would_without_one(family, extra, batch):
+    """`_fill` gives every layer `prefix_len` positions per sequence (sliding layers too: they keep every slot), with
+    states of the scale a real prefill's have, and the timed forwards run on it and crop back to it."""
+    from transformers import DynamicCache
+
+    from lookahead.cache import make_compactable
+    from lookahead.compat import CACHE_KWARG
+
+    model = build_tiny_model(family, dtype=torch.float32, **extra)
+    caches = [DynamicCache(config=model.config) for _ in range(2)]
+    for cache in caches:
+        make_compactable(cache, model.config, max_slots=0)
+    with torch.no_grad():
+        calibration._fill(model, caches[0], batch, 20, model.config.vocab_size)
+        model(torch.randint(0, model.config.vocab_size, (batch, 20)), **{CACHE_KWARG: caches[1]}, use_cache=True)
+        for filled, prefilled in zip(caches[0].layers, caches[1].layers):
+            assert filled.keys.shape == prefilled.keys.shape and filled.values.shape == prefilled.values.shape
+            for ours, real in ((filled.keys, prefilled.keys), (filled.values, prefilled.values)):
+                assert 1 / 4 < ours.abs().mean() / real.abs().mean() < 4
+        assert calibration._time_rows(model, caches[0], 20, 3, model.config.vocab_size) > 0
+    assert caches[0].get_seq_length() == 20
+
+
 def test_cost_curve_for_caches_on_disk_and_in_memory(tmp_path, monkeypatch):
     monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration, "_MEMORY", {})
