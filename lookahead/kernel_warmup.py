@@ -10,9 +10,11 @@ default model's), and generates with it greedily and sampled, with its arithmeti
 (nothing measured, one thread), which compiles the kernels a real generation calls into the same on-disk cache. The
 command waits for it before it packs, measures or generates anything (`finish`: measurements must not share the cores
 with a compiler), compiling the drafters' kernels itself meanwhile (the same model on PyTorch's plain layers, seeded
-sampling too, `warm("drafting")`: ~13 s of the ~45), then finds the kernels compiled. The two go in opposite orders
-(`_runs`): the helper compiles the model's kernels first (the fused decoder alone ~20 s) and token recycling's last,
-the command starts with token recycling's, so a function is rarely compiled twice. If the helper fails or runs past
+sampling too, `warm("drafting")`: ~13 s of the ~45, then the model's kernels other than the fused decoder on the
+layers packed but not fused, ~10 s), then finds the kernels compiled. The two go in opposite orders (`_runs`): the
+helper compiles the fused decoder first (~20 s), then the rest of the model's kernels and token recycling's last;
+the command starts with token recycling's and ends with the model's other kernels, so a function is rarely compiled
+twice. If the helper fails or runs past
 WAIT_SECONDS it is stopped, and the command compiles what is missing itself, as before. `$LOOKAHEAD_KERNEL_WARMUP=0`
 turns the helper off; it never starts under torchrun (every rank would start one) or when `$NUMBA_CACHE_DIR` is the
 user's.
@@ -36,6 +38,9 @@ WAIT_SECONDS = 300.0  # the helper's compile takes ~50 s on the 2-core AVX2 mach
 # when the command compiled them meanwhile: `finish`).
 HELPERS = ((sys.executable, "-m", "lookahead.kernel_warmup", "model"),)
 _running: list[subprocess.Popen] = []
+# The helper's first generation: layers on float32 panels (no block search) and the LM head's plain argmax, so that
+# the fused decoder (~20 s of the ~50) is the first thing it compiles, ~1 s after its imports instead of ~11 s.
+FUSED_FIRST = {"compact_weights": False, "argmax_head": False}
 
 
 def start(commands: tuple[tuple[str, ...], ...] = HELPERS) -> bool:
@@ -132,22 +137,25 @@ def warm(part: str) -> None:
 
 def _runs(part: str) -> list[tuple]:
     """(config, generate keywords, seed) of each warm-up generation of `part`. The helper ("model") compiles the
-    model's kernels first (speculation off), then the drafters other than token recycling, then everything; the
-    command ("drafting") starts with token recycling's kernels (the largest share, compiled when its table is made)
-    and finds the rest compiled by the helper meanwhile, so the two processes rarely compile the same function."""
+    fused decoder first (`FUSED_FIRST`), then the rest of the model's kernels (speculation off), then the drafters
+    other than token recycling, then everything; the command ("drafting") starts with token recycling's kernels (the
+    largest share, compiled when its table is made), then the model's kernels other than the fused decoder (the
+    layers packed but not fused: the weights' block search, the LM head's kernels), which the helper, busy with the
+    fused decoder, then finds compiled, so the two processes rarely compile the same function."""
     from .config import LookaheadConfig
     from .warmup_model import WARMUP_CONFIG
 
     greedy, sampled = {"do_sample": False}, {"do_sample": True, "temperature": 0.7, "top_p": 0.95}
     if part == "drafting":
         plain = WARMUP_CONFIG.with_overrides(packed_linear=False)
-        return [(plain, greedy, None), (plain, sampled, None), (plain, sampled, 0)]
+        unfused = WARMUP_CONFIG.with_overrides(fused_layers=False)
+        return [(plain, greedy, None), (plain, sampled, None), (plain, sampled, 0), (unfused, greedy, None)]
     off, default = LookaheadConfig.off(), LookaheadConfig()
     off = WARMUP_CONFIG.with_overrides(**{name: value for name, value in off.as_dict().items()
                                           if value != getattr(default, name)})  # speculation off, as `off()` has it
     unrecycled = WARMUP_CONFIG.with_overrides(recycle_nodes=0)
-    return [(off, greedy, None), (unrecycled, greedy, None), (unrecycled, sampled, None),
-            (WARMUP_CONFIG, greedy, None), (WARMUP_CONFIG, sampled, None)]
+    return [(off.with_overrides(**FUSED_FIRST), greedy, None), (off, greedy, None), (unrecycled, greedy, None),
+            (unrecycled, sampled, None), (WARMUP_CONFIG, greedy, None), (WARMUP_CONFIG, sampled, None)]
 
 
 if __name__ == "__main__":  # pragma: no cover - run as a helper process

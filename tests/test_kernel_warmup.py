@@ -112,12 +112,15 @@ def test_a_helper_takes_a_known_part_only():
 
 def test_the_helper_compiles_the_model_first_and_recycling_last_the_command_recycling_first():
     helper, command = kernel_warmup._runs("model"), kernel_warmup._runs("drafting")
-    assert not helper[0][0].speculates and helper[0][0].packed_linear  # the model's kernels alone
+    assert all(not config.speculates and config.packed_linear for config, _, _ in helper[:2])  # the model's kernels
+    assert not helper[0][0].compact_weights and not helper[0][0].argmax_head  # the fused decoder before the rest
+    assert helper[1][0].compact_weights and helper[1][0].argmax_head
     recycles = [config.recycle_nodes > 0 for config, _, _ in helper]
-    assert recycles == sorted(recycles) and recycles[-1] and helper[1][0].speculates
-    assert {kwargs["do_sample"] for _, kwargs, _ in helper[1:3]} == {False, True}  # the other drafters, both ways
-    assert command[0][0].recycle_nodes > 0 and not any(config.packed_linear for config, _, _ in command)
-    assert [seed for _, _, seed in command] == [None, None, 0]
+    assert recycles == sorted(recycles) and recycles[-1] and helper[2][0].speculates
+    assert {kwargs["do_sample"] for _, kwargs, _ in helper[2:4]} == {False, True}  # the other drafters, both ways
+    assert command[0][0].recycle_nodes > 0 and not any(config.packed_linear for config, _, _ in command[:3])
+    assert [seed for _, _, seed in command] == [None, None, 0, None]
+    assert command[-1][0].packed_linear and not command[-1][0].fused_layers  # the model's kernels but the decoder
 
 
 def test_the_warmup_model_holds_the_default_models_block_forms():
@@ -137,13 +140,41 @@ def test_block_roundings_have_the_exact_forms(spread):
     assert affine_weights.affine_form(weight) is None and affine_weights.scaled_form(weight) is None
 
 
+# Runs the helper's part (argv[1] "model") or the command's ("drafting"), printing each function numba compiles (not
+# those it compiles for a function being compiled), in order.
+COMPILES = """
+import sys
+from numba.core import event
+from lookahead import kernel_warmup
+
+class Printer(event.Listener):
+    depth = 0
+    def on_start(self, ev):
+        self.depth += 1
+        if self.depth == 1 and ev.data.get("dispatcher") is not None:
+            print(ev.data["dispatcher"].py_func.__qualname__, flush=True)
+    def on_end(self, ev):
+        self.depth -= 1
+
+event.register("numba:compile", Printer())
+kernel_warmup.main(sys.argv[1]) if sys.argv[1] == "model" else kernel_warmup.warm(sys.argv[1])
+"""
+
+
 def test_after_the_helper_the_default_model_generates_without_compiling(tmp_path):
+    """The helper and the command's part, run at once on a fresh cache, leave the default model nothing to compile;
+    the helper compiles the fused decoder before the weights' block search and the LM head's kernels, which the
+    command's part compiles too (whichever comes first), never the fused decoder."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    here = (sys.executable, "-c", "from lookahead.kernel_warmup import warm; warm('drafting')")  # the command's part
-    helpers = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-               for command in (*kernel_warmup.HELPERS, here)]
-    for helper in helpers:
-        assert helper.wait(900) == 0, helper.stderr.read()
+    parts = [subprocess.Popen((sys.executable, "-c", COMPILES, part), env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for part in ("model", "drafting")]
+    (helper, helper_errors), (here, here_errors) = [part.communicate(timeout=900) for part in parts]
+    assert [part.returncode for part in parts] == [0, 0], (helper_errors, here_errors)
+    helper, here = helper.split(), here.split()
+    assert "decoder_stack" in helper and "decoder_stack" not in here
+    before = helper[:helper.index("decoder_stack")]
+    assert not {"_find_blocks", "_code_lanes", "_slack_rows", "_reaching"} & set(before), helper
+    assert {"_find_blocks", "_slack_rows"} <= set(here) | set(helper[helper.index("decoder_stack"):])
     done = subprocess.run([sys.executable, "-c", MISSES], env=env, check=True, timeout=900, capture_output=True,
                           text=True)
     missed = done.stdout.split()
