@@ -86,6 +86,7 @@ class Lookahead:
             raise TypeError("draft_model must be a loaded transformers causal LM (e.g. lookahead.load_model(path)[0]), "
                             f"got {type(draft_model).__name__}")
         self.shared_drafter, self.draft_model = shared_drafter, draft_model
+        kernel_warmup.start()  # an installation's first use: the model's kernels compile in a helper meanwhile
         if recycle_table is None and self.config.recycle_nodes:
             recycle_table = RecycleTable.for_config(self.config)
         self.recycle_table = recycle_table
@@ -97,7 +98,7 @@ class Lookahead:
         """Decoding loop called by `generate`; returns what `generate` would (sequences or a dict output).
         Raises `compat.UnsupportedTransformers` on a transformers release lookahead does not support."""
         check_transformers()
-        kernel_warmup.finish()  # a helper compiling the kernels (first run of the command) is done before anything
+        kernel_warmup.finish()  # a helper compiling the kernels (an installation's first use) is done before anything
         notice = compiling_notice()
         if notice:
             say(follower_process(), notice)

@@ -1,23 +1,24 @@
-"""lookahead's CPU kernels compiled in a helper process while the command imports and loads its model, on the first
-run of an installation.
+"""lookahead's CPU kernels compiled in a helper process while a process imports and loads its model, on the first
+use of an installation.
 
 numba compiles lookahead's kernels the first time an installation generates (~60 functions, ~45 s of one core on the
 2-core AVX2 machine), and a first run also imports torch and transformers and converts the model's GGUF file (~30 s
-more, mostly on one core). So a command about to load a model, finding no compiled kernels for this installation
-(`numba_cache.is_fresh`), starts `python -m lookahead.kernel_warmup`: it builds a tiny random Llama whose layers hold
-exact 4-bit block weights and whose tied LM head 8-bit ones (the forms a Q4_0/Q4_1/Q8_0 GGUF model loads in, the
-default model's), and generates with it greedily and sampled, with its arithmetic pinned and a fixed cost curve
-(nothing measured, one thread), which compiles the kernels a real generation calls into the same on-disk cache. The
-command waits for it before it packs, measures or generates anything (`finish`: measurements must not share the cores
-with a compiler), compiling the drafters' kernels itself meanwhile (the same model on PyTorch's plain layers, seeded
-sampling too, `warm("drafting")`: ~13 s of the ~45, then the model's kernels other than the fused decoder on the
-layers packed but not fused, ~10 s), then finds the kernels compiled. The two go in opposite orders (`_runs`): the
-helper compiles the fused decoder first (~20 s), then the rest of the model's kernels and token recycling's last;
-the command starts with token recycling's and ends with the model's other kernels, so a function is rarely compiled
-twice. If the helper fails or runs past
-WAIT_SECONDS it is stopped, and the command compiles what is missing itself, as before. `$LOOKAHEAD_KERNEL_WARMUP=0`
-turns the helper off; it never starts under torchrun (every rank would start one) or when `$NUMBA_CACHE_DIR` is the
-user's.
+more, mostly on one core). So a process finding no compiled kernels for this installation (`numba_cache.is_fresh`)
+starts `python -m lookahead.kernel_warmup` as early as it knows it will generate: the `lookahead` command once its
+options are read, a library process at `load_model` or its first `Lookahead` object, whichever comes first. The helper
+builds a tiny random Llama whose layers hold exact 4-bit block weights and whose tied LM head 8-bit ones (the forms a
+Q4_0/Q4_1/Q8_0 GGUF model loads in, the default model's), and generates with it greedily and sampled, with its
+arithmetic pinned and a fixed cost curve (nothing measured, one thread), which compiles the kernels a real generation
+calls into the same on-disk cache. The first generation waits for it before it packs, measures or generates anything
+(`finish`: measurements must not share the cores with a compiler), compiling the drafters' kernels itself meanwhile
+(the same model on PyTorch's plain layers, seeded sampling too, `warm("drafting")`: ~13 s of the ~45, then the
+model's kernels other than the fused decoder on the layers packed but not fused, ~10 s), then finds the kernels
+compiled. The two go in opposite orders (`_runs`): the helper compiles the fused decoder first (~20 s), then the rest
+of the model's kernels and token recycling's last; the waiting process starts with token recycling's (compiled when
+a `Lookahead` makes its table) and ends with the model's other kernels, so a function is rarely compiled twice. If
+the helper fails or runs past WAIT_SECONDS it is stopped, and the generation compiles what is missing itself, as
+before. `$LOOKAHEAD_KERNEL_WARMUP=0` turns the helper off; it never starts under torchrun (every rank would start
+one) or when `$NUMBA_CACHE_DIR` is the user's. A helper still running when its process exits is stopped.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def start(commands: tuple[tuple[str, ...], ...] = HELPERS) -> bool:
            "NUMBA_NUM_THREADS": "1"}
     _running.extend(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL) for command in commands)
-    _say("lookahead: compiling its CPU kernels for this installation in a helper process while the model loads, "
-         f"once (~1 minute on a 2-core CPU; cached in {numba.config.CACHE_DIR})")
+    _say("lookahead: compiling its CPU kernels for this installation in a helper process meanwhile, once "
+         f"(~1 minute on a 2-core CPU; cached in {numba.config.CACHE_DIR})")
     return True
 
 

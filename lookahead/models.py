@@ -3,7 +3,8 @@ draft model for a loaded target.
 
 GGUF parsing in transformers is pure Python (~11 s for the default model on the AVX2 machine, ~36 s without
 `gguf_reads.shared_gguf_reads`), so the first load writes the dequantized weights as safetensors into a cache
-folder; later loads read that folder in well under a second.
+folder; later loads read that folder in well under a second. On an installation's first load, lookahead's kernels
+compile in a helper process meanwhile (`kernel_warmup`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from . import kernel_warmup
 from .compat import UnsupportedTransformers, check_transformers
 from .distributed import check_head_split
 from .draft_model import check_draft_model, check_same_tokenizer, early_exit_draft
@@ -55,18 +57,24 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     except UnsupportedTransformers as exc:
         raise ModelLoadError(str(exc)) from exc
     placement = _placement(tp_plan, device_map, offload_folder)
-    if path is None:
+    source = None if path is None else _checked_source(Path(path).expanduser())
+    kernel_warmup.start()  # an installation's first load: the kernels compile in a helper process meanwhile
+    if source is None:
         return _load_folder(default_model_folder(), dtype, placement)
-    path = Path(path).expanduser()
+    if source.is_file():
+        return _load_folder(_converted_folder(source), dtype, placement)
+    return _load_folder(source, dtype, placement)
+
+
+def _checked_source(path: Path) -> Path:
+    """`path` if it is a `.gguf` file or a folder with a config.json, else raises `ModelLoadError` saying why."""
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelLoadError(f"model file must be a .gguf file or a Hugging Face folder, got: {path}")
-        return _load_folder(_converted_folder(path), dtype, placement)
-    if not (path / "config.json").exists():
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelLoadError(f"model file must be a .gguf file or a Hugging Face folder, got: {path}")
+    if path.is_dir() and not (path / "config.json").exists():
         raise ModelLoadError(f"not a Hugging Face model folder (no config.json): {path}")
-    return _load_folder(path, dtype, placement)
+    return path
 
 
 def load_draft(model, tokenizer, path: str | os.PathLike | None = None, layers: int | None = None,

@@ -192,3 +192,47 @@ def test_a_failed_compile_here_is_left_to_the_generation(monkeypatch):
     monkeypatch.setattr(kernel_warmup, "warm", failing)
     kernel_warmup._compile_drafting_here()
     assert parts == ["drafting"]
+
+
+@pytest.fixture
+def starts(monkeypatch):
+    """Records each `kernel_warmup.start` call (the helper itself is not started)."""
+    calls = []
+    monkeypatch.setattr(kernel_warmup, "start", lambda: calls.append("start"))
+    return calls
+
+
+def test_a_library_process_starts_the_helper_before_it_loads_a_model(starts, tmp_path, monkeypatch):
+    from test_model_cache import _saved_tiny_model
+
+    from lookahead import models
+
+    folder = _saved_tiny_model(tmp_path / "tiny")
+    real_load = models._load_folder
+    monkeypatch.setattr(models, "_load_folder", lambda *args: starts.append("load") or real_load(*args))
+    models.load_model(folder)
+    assert starts == ["start", "load"]  # the compile overlaps the load (and a GGUF's conversion)
+
+
+@pytest.mark.parametrize("name, content", [("missing", None), ("notes.txt", "text"), ("empty", "")])
+def test_a_model_path_that_cannot_load_starts_no_helper(starts, tmp_path, name, content):
+    from lookahead.models import ModelLoadError, load_model
+
+    path = tmp_path / name
+    if content == "":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(ModelLoadError):
+        load_model(path)
+    assert starts == []
+
+
+def test_a_library_process_starts_the_helper_with_its_first_lookahead(starts):
+    from lookahead import Lookahead
+
+    Lookahead()
+    assert starts == ["start"]
+    with pytest.raises(TypeError):
+        Lookahead(config="fast")  # a refused argument starts nothing
+    assert starts == ["start"]
