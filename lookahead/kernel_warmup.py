@@ -114,11 +114,22 @@ atexit.register(_stop)
 
 
 def main(part: str = "model") -> None:
-    """The helper process: `warm(part)` on one thread."""
+    """The helper process: `warm(part)` on one thread, at the lowest CPU priority (it compiles on cores the process
+    that started it leaves idle, and does not slow what that process runs meanwhile: a user timing plain `generate`
+    before lookahead's first generation, say)."""
+    _lower_priority()
     import torch
 
     torch.set_num_threads(1)
     warm(part)
+
+
+def _lower_priority() -> None:
+    """This process at the lowest scheduling priority (niceness 19) where the system has niceness; else unchanged."""
+    try:
+        os.nice(19 - os.nice(0))
+    except (AttributeError, OSError):
+        pass
 
 
 def warm(part: str) -> None:

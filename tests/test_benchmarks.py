@@ -267,3 +267,15 @@ def test_each_lookahead_method_runs_its_own_config():
     assert not configs["lookahead"].recycle_pairs and configs["lookahead_pairs"].recycle_pairs
     assert configs["lookahead_no_prior"].tree_budget == 8 and configs["lookahead_head"].draft_head == "auto"
     assert configs["lookahead_off"].tree_budget == 0
+
+
+def test_a_benchmark_process_starts_no_kernel_compile_helper(monkeypatch):
+    """A helper compiling beside a benchmark would slow whatever the benchmark times first (a baseline)."""
+    import importlib
+
+    from lookahead import kernel_warmup, numba_cache
+
+    monkeypatch.setenv(kernel_warmup.ENV_SWITCH, "1")
+    monkeypatch.setattr(numba_cache, "_fresh", True)
+    importlib.reload(harness)
+    assert kernel_warmup.start(((sys.executable, "-c", "pass"),)) is False

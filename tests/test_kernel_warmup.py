@@ -236,3 +236,11 @@ def test_a_library_process_starts_the_helper_with_its_first_lookahead(starts):
     with pytest.raises(TypeError):
         Lookahead(config="fast")  # a refused argument starts nothing
     assert starts == ["start"]
+
+
+def test_the_helper_runs_at_the_lowest_priority():
+    """It compiles on idle cores and yields to what the process that started it runs meanwhile."""
+    code = ("import os; from lookahead import kernel_warmup; kernel_warmup.warm = lambda part: print(os.nice(0)); "
+            "kernel_warmup.main('model')")
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["19"]
