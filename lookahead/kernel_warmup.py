@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,20 +40,23 @@ WAIT_SECONDS = 300.0  # the helper's compile takes ~50 s on the 2-core AVX2 mach
 # when the command compiled them meanwhile: `finish`).
 HELPERS = ((sys.executable, "-m", "lookahead.kernel_warmup", "model"),)
 _running: list[subprocess.Popen] = []
+_started: list[bool] = []  # non-empty once this process started its helpers
 # The helper's first generation: layers on float32 panels (no block search) and the LM head's plain argmax, so that
 # the fused decoder (~20 s of the ~50) is the first thing it compiles, ~1 s after its imports instead of ~11 s.
 FUSED_FIRST = {"compact_weights": False, "argmax_head": False}
 
 
 def start(commands: tuple[tuple[str, ...], ...] = HELPERS) -> bool:
-    """Start the helpers (`commands`) when this installation has no compiled kernels yet, unless switched off or
-    under torchrun; a notice on stderr says so. Whether they started."""
-    if _running or not numba_cache.is_fresh() or os.environ.get(ENV_SWITCH, "1") == "0":
+    """Start the helpers (`commands`) when this installation's kernels are not compiled yet
+    (`numba_cache.helper_wanted`), unless switched off or under torchrun, at most once per process; a notice on
+    stderr says so. Whether they started."""
+    if _started or not numba_cache.helper_wanted() or os.environ.get(ENV_SWITCH, "1") == "0":
         return False
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return False
     env = {**os.environ, "NUMBA_CACHE_DIR": str(numba.config.CACHE_DIR), "OMP_NUM_THREADS": "1",
            "NUMBA_NUM_THREADS": "1"}
+    _started.append(True)  # once per process: not again while it waits (its warm-up makes a `Lookahead`) or after
     _running.extend(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL) for command in commands)
     _say("lookahead: compiling its CPU kernels for this installation in a helper process meanwhile, once "
@@ -73,6 +77,8 @@ def finish(timeout: float = WAIT_SECONDS) -> bool | None:
         _say("lookahead: waiting for the kernel compile to finish")
         _compile_drafting_here()
     done = all([_waited(helper, deadline) for helper in helpers])
+    if all(helper.returncode != -getattr(signal, "SIGKILL", 9) for helper in helpers):
+        numba_cache.mark_helper_done()  # ended by itself (a helper that failed would fail again): not started again
     if not done:
         numba_cache.restore_compiling_notice()
     return done

@@ -45,7 +45,24 @@ def use_user_cache_dir() -> bool:
     return not any(folder.glob("*/*.nbc"))
 
 
+_own_folder = not numba.config.CACHE_DIR  # lookahead picks the folder (no $NUMBA_CACHE_DIR)
 _fresh = use_user_cache_dir()
+HELPER_DONE = "helper-done"  # in the cache folder: a compile helper (`kernel_warmup`) ran to its end there
+
+
+def helper_wanted() -> bool:
+    """Whether a compile helper (`kernel_warmup`) should compile this installation's kernels: the cache folder is
+    lookahead's own (never a $NUMBA_CACHE_DIR the user chose) and no helper has run to its end there yet — so a
+    folder left partly compiled (a first run stopped midway, tests run against the installation) gets the helper
+    too, instead of a silent compile inside the first generation."""
+    return _own_folder and not (Path(numba.config.CACHE_DIR) / HELPER_DONE).exists()
+
+
+def mark_helper_done() -> None:
+    """Record in the cache folder that a compile helper ran to its end there (see `helper_wanted`)."""
+    folder = Path(numba.config.CACHE_DIR)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / HELPER_DONE).touch()
 
 
 def is_fresh() -> bool:

@@ -269,13 +269,16 @@ def test_each_lookahead_method_runs_its_own_config():
     assert configs["lookahead_off"].tree_budget == 0
 
 
-def test_a_benchmark_process_starts_no_kernel_compile_helper(monkeypatch):
+def test_a_benchmark_process_starts_no_kernel_compile_helper(monkeypatch, tmp_path):
     """A helper compiling beside a benchmark would slow whatever the benchmark times first (a baseline)."""
     import importlib
+
+    import numba
 
     from lookahead import kernel_warmup, numba_cache
 
     monkeypatch.setenv(kernel_warmup.ENV_SWITCH, "1")
-    monkeypatch.setattr(numba_cache, "_fresh", True)
+    monkeypatch.setattr(numba_cache, "_own_folder", True)
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))  # an empty folder: the helper would be wanted
     importlib.reload(harness)
     assert kernel_warmup.start(((sys.executable, "-c", "pass"),)) is False

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numba
 import pytest
 import torch
 
@@ -33,11 +34,15 @@ print(len(missed), *sorted(missed))
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    """A process whose installation has no compiled kernels yet, the helper switched on; no helper left over."""
+def fresh(monkeypatch, tmp_path):
+    """A process whose installation has no compiled kernels yet (in lookahead's own cache folder, here an empty
+    temporary one), the helper switched on; no helper left over."""
     monkeypatch.setattr(numba_cache, "_fresh", True)
+    monkeypatch.setattr(numba_cache, "_own_folder", True)
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path / "kernels"))
     monkeypatch.setenv(kernel_warmup.ENV_SWITCH, "1")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(kernel_warmup, "_started", [])
     compiled_here = []
     monkeypatch.setattr(kernel_warmup, "_compile_drafting_here", lambda: compiled_here.append(numba_cache.is_fresh()))
     yield compiled_here
@@ -55,6 +60,16 @@ def test_a_helper_that_compiled_spends_the_compile_notice(fresh, capsys):
     assert kernel_warmup.finish() is True
     assert not numba_cache.is_fresh() and numba_cache.compiling_notice() is None
     assert kernel_warmup.finish() is None  # one wait: the next generation goes straight on
+    assert kernel_warmup.start(_helper("pass")) is False  # one helper a process, even while the kernels are missing
+
+
+def test_the_wait_for_the_helper_starts_no_other_helper(fresh, monkeypatch):
+    """The waiting process's own warm-up generation makes a `Lookahead` (which starts a helper where one is
+    wanted): it must not start a second one, nor wait for it."""
+    monkeypatch.setattr(kernel_warmup, "_compile_drafting_here",
+                        lambda: fresh.append(kernel_warmup.start(_helper("pass"))))
+    assert kernel_warmup.start(_helper("import time; time.sleep(1)"))
+    assert kernel_warmup.finish() is True and fresh == [False]
 
 
 def test_a_failed_helper_leaves_the_compile_to_the_command(fresh):
@@ -91,10 +106,31 @@ def test_a_helper_still_running_at_exit_is_stopped(fresh):
     assert helper.poll() is not None and kernel_warmup.finish() is None
 
 
+@pytest.mark.parametrize("code, marked", [("pass", True), ("raise SystemExit(3)", True),
+                                         ("import time; time.sleep(60)", False)], ids=["done", "failed", "stopped"])
+def test_a_helper_that_ended_by_itself_is_not_started_again_for_a_partly_compiled_folder(fresh, code, marked):
+    """A folder with compiled code but no helper run to its end (a first run stopped midway) still wants the helper;
+    once one ended by itself there (a failure would recur), it does not; one stopped at the deadline did not end."""
+    numba_cache.compiling_notice()  # the folder holds compiled code: no compile notice, the helper still wanted
+    assert not numba_cache.is_fresh() and numba_cache.helper_wanted()
+    assert kernel_warmup.start(_helper(code))
+    kernel_warmup.finish(timeout=10.0)
+    assert numba_cache.helper_wanted() is not marked  # for the next process
+    assert kernel_warmup.start(_helper("pass")) is False  # this one started its helper already
+
+
+def test_a_folder_the_user_chose_never_wants_the_helper(monkeypatch, tmp_path):
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(numba_cache, "_own_folder", False)
+    assert not numba_cache.helper_wanted()
+    monkeypatch.setattr(numba_cache, "_own_folder", True)
+    assert numba_cache.helper_wanted()
+
+
 @pytest.mark.parametrize("setting", ["compiled", "switched off", "torchrun", "started"])
 def test_no_helper_when_it_is_not_needed_or_not_wanted(fresh, monkeypatch, setting):
     if setting == "compiled":
-        monkeypatch.setattr(numba_cache, "_fresh", False)
+        monkeypatch.setattr(numba_cache, "helper_wanted", lambda: False)
     elif setting == "switched off":
         monkeypatch.setenv(kernel_warmup.ENV_SWITCH, "0")
     elif setting == "torchrun":
