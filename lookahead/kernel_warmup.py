@@ -3,11 +3,12 @@ use of an installation.
 
 numba compiles lookahead's kernels the first time an installation generates (~60 functions, ~45 s of one core on the
 2-core AVX2 machine), and a first run also imports torch and transformers and converts the model's GGUF file (~30 s
-more, mostly on one core). So a process finding no compiled kernels for this installation (`numba_cache.is_fresh`)
-starts `python -m lookahead.kernel_warmup` as early as it knows it will generate: the `lookahead` command once its
-options are read, a library process at `load_model` or its first `Lookahead` object, whichever comes first. The helper
-builds a tiny random Llama whose layers hold exact 4-bit block weights and whose tied LM head 8-bit ones (the forms a
-Q4_0/Q4_1/Q8_0 GGUF model loads in, the default model's), and generates with it greedily and sampled, with its
+more, mostly on one core). So a process whose installation's kernels are not compiled yet
+(`numba_cache.helper_wanted`: no helper has run to its end in its cache folder) starts `python -m
+lookahead.kernel_warmup` as early as it knows it will generate: the `lookahead` command once its options are read, a
+library process at `load_model` or its first `Lookahead` object, whichever comes first. The helper builds a tiny
+random Llama whose layers hold exact 4-bit block weights and whose tied LM head 8-bit ones (the forms a Q4_0/Q4_1/Q8_0
+GGUF model loads in, the default model's), and generates with it greedily and sampled, with its
 arithmetic pinned and a fixed cost curve (nothing measured, one thread), which compiles the kernels a real generation
 calls into the same on-disk cache. The first generation waits for it before it packs, measures or generates anything
 (`finish`: measurements must not share the cores with a compiler), compiling the drafters' kernels itself meanwhile
@@ -85,8 +86,9 @@ def finish(timeout: float = WAIT_SECONDS) -> bool | None:
 
 
 def _compile_drafting_here() -> None:
-    """While the helper compiles the model's kernels, this process compiles the drafters' and verification's (a
-    warm-up generation on PyTorch's plain layers) instead of idling; a failure is left to the generation."""
+    """While the helper compiles the fused decoder, this process compiles the drafters' and verification's (warm-up
+    generations on PyTorch's plain layers) and the model's other kernels (on layers packed but not fused) instead of
+    idling (`warm("drafting")`); a failure is left to the generation."""
     try:
         warm("drafting")
     except Exception:  # noqa: BLE001 — whatever failed compiles (or fails) again in the generation itself
@@ -140,8 +142,8 @@ def _lower_priority() -> None:
 
 def warm(part: str) -> None:
     """Generate with a tiny block-weight model greedily and sampled (see the module docstring), on the model's own
-    arithmetic (`part` "model") or on PyTorch's plain layers ("drafting", seeded sampling too), compiling what that
-    calls, in the order `_runs` gives."""
+    arithmetic (`part` "model") or, for "drafting", on PyTorch's plain layers (seeded sampling too) and then on
+    layers packed but not fused, compiling what that calls, in the order `_runs` gives."""
     if part not in ("model", "drafting"):
         raise ValueError(f"part must be 'model' or 'drafting', got {part!r}")
     from .hf import Lookahead
