@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import click
 
 from lookahead.cli.entry import import_model_stack
@@ -85,6 +87,7 @@ def serve(model_path, host, port, model_name, mode, cache_tokens, prompt_cache_m
         raise click.ClickException(str(exc)) from exc
     with sock:  # closed however this ends (a model that fails to load included)
         app = _build_app(model_path, settings, threads, cache_tokens, datastore, datastore_tokens)
+        _warm_up(app.state.engine)
         port = sock.getsockname()[1]  # the port bound (a free one for --port 0)
         click.echo(f"lookahead serve: model {settings.model_name!r} at http://{host}:{port}/v1", err=True)
         try:
@@ -103,6 +106,15 @@ def _check_access(host: str, api_key: str | None, allow_origins: tuple[str, ...]
             check_origin(origin)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+
+
+def _warm_up(engine) -> None:
+    """`engine.warm_up()` before the server answers anything (its /health included), with a line on stderr: the
+    process's one-time set-up (~1 s for the default model on a 2-core CPU) is not paid by the first request."""
+    click.echo("lookahead serve: warming up (a short generation) ...", err=True)
+    start = time.perf_counter()
+    engine.warm_up()
+    click.echo(f"lookahead serve: warmed up in {time.perf_counter() - start:.1f} s", err=True)
 
 
 def _build_app(model_path, settings, threads: int | None, cache_tokens: int, datastore: tuple[str, ...],

@@ -39,6 +39,9 @@ from .suffix_cache import SuffixCache
 log = logging.getLogger("lookahead.server")
 
 MAX_SEED = 2**63 - 1  # `LookaheadConfig.seed`'s range
+# What `Engine.warm_up` generates from: repetitive code, so its steps verify drafts as a request's do.
+WARM_UP_TEXT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+WARM_UP_TOKENS = 16
 
 
 class EngineError(Exception):
@@ -82,6 +85,9 @@ class Sampling:
     temperature: float
     top_p: float
     seed: int | None
+
+
+WARM_UP_RUNS = (Sampling(0.0, 1.0, None), Sampling(0.7, 0.95, 0))  # greedy, then sampled as chat clients do
 
 
 @dataclass(frozen=True)
@@ -219,6 +225,18 @@ class Engine:
         self._closing = False  # set by `cancel_all`: new jobs are refused
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookahead-generate")
         self.last_completion: Completion | None = None  # the latest finished job (reported by /health)
+
+    def warm_up(self) -> None:
+        """Generate a few tokens from `WARM_UP_TEXT`, greedy and sampled, as a request would but keeping nothing
+        (no suffix or prompt cache, a recycling table of its own, no `last_completion`): what a process does once
+        before its first generation runs at full speed — the layers' packing, the kernels loaded from numba's
+        cache, the row-kernel choice and cost curve read or measured — is done before the first request. Call
+        it before serving (`lookahead serve` does)."""
+        ids = torch.tensor([self.encode(WARM_UP_TEXT)], dtype=torch.long)
+        for sampling in WARM_UP_RUNS:
+            config = self.config.with_overrides(seed=sampling.seed) if sampling.seed is not None else self.config
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=WARM_UP_TOKENS,
+                                custom_generate=Lookahead(config), **sampling_kwargs(sampling))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (the same call as `lookahead generate`)."""
