@@ -12,6 +12,7 @@ import contextlib
 import copy
 import functools
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import replace
@@ -23,7 +24,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria, Stoppi
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import kernel_warmup
-from .argmax_head import argmax_logits
+from .argmax_head import argmax_logits, bounded_head
 from .attention import tree_attention
 from .cache import make_compactable
 from .calibration import cost_curve_for, say
@@ -36,7 +37,7 @@ from .draft_model import check_draft_model
 from .head_files import configured_head
 from .lean_layers import lean_layers
 from .numba_cache import compiling_notice
-from .packed_linear import packed_linears
+from .packed_linear import packed_linears, packed_weights
 from .recycle import RecycleTable
 from .recycle_prior import configured_prior
 from .request import DecodeRequest
@@ -135,8 +136,10 @@ class Lookahead:
                                 recycle_prior=configured_prior(model, self.config),
                                 uncached=_uncached_length(model, input_ids, generation_config, model_kwargs))
         decoder = Decoder(model, self.config, request)
-        with argmax_logits(model, self.config.argmax_head and _argmax_only(request)):
+        with argmax_logits(model, self.config.argmax_head and _argmax_only(request)) as argmax:
+            setup = build_layouts(model, argmax, batch * self.config.step_rows)
             sequences = decoder.run()
+        decoder.stats.setup_time, decoder.stats.total_time = setup, decoder.stats.total_time + setup
         self.last_stats = decoder.stats
         if not generation_config.return_dict_in_generate:
             return sequences
@@ -176,6 +179,25 @@ def generation_arithmetic(model, config: LookaheadConfig, refresh: bool = False)
             linear = f"{packed} linear layers prepacked: {kernels.describe()}"
         attention = "lookahead_tree attention" if tree else f"{model.config._attn_implementation} attention"
         yield f"{linear}, {attention}" + (f", {lean} lean decoder layers" if lean else "")
+
+
+def build_layouts(model, argmax: bool, rows: int) -> float:
+    """Build now what the first forward of a generation would otherwise build inside its prefill — the streamed
+    kernel's panels of every packed weight whose steps' products (of up to `rows` rows) it computes, and for the LM
+    head, when greedy steps take their argmax from it (`argmax`), its bounded int8 copy instead — and return the
+    seconds it took (~0.4 s for the default model on the 2-core AVX2 machine, once per process and model; ~0 once
+    built, until a weight changes). Call it inside `generation_arithmetic` (and `argmax_logits`):
+    `DecodeStats.setup_time` reports it apart from the prefill. Layouts only a prefill reads build on first use."""
+    start = time.perf_counter()
+    head = model.get_output_embeddings()
+    head_packed = getattr(head, "packed", None)
+    for packed in packed_weights(model):
+        if packed.default_rows < min(packed.streamed_rows, rows):
+            if packed is head_packed and argmax:
+                bounded_head(head)
+            else:
+                packed.streamed()
+    return time.perf_counter() - start
 
 
 def chosen_row_kernels(model, config: LookaheadConfig, refresh: bool = False) -> RowKernels:

@@ -19,8 +19,10 @@ class AcceptedDrafts:
 class DecodeStats:
     """Per-call statistics, exposed as `Lookahead.last_stats` after a call.
 
-    Times are wall-clock seconds: `prefill_time` (prompt forward), `draft_time` (drafting, trie, layout),
-    `forward_time` (verification forwards), `verify_time` (verification, cache compaction, drafter updates).
+    Times are wall-clock seconds: `setup_time` (layouts of the weights built before the prefill: a process's first
+    generation with a model, `hf.build_layouts`), `prefill_time` (prompt forward), `draft_time` (drafting, trie,
+    layout), `forward_time` (verification forwards), `verify_time` (verification, cache compaction, drafter
+    updates); `total_time` is the whole call's, set-up included.
     `new_tokens` counts the prefill's first token too; `step_tokens` only what decoding steps committed.
     `tokens_per_step` maps tokens committed in a step to how many steps committed that many. `calibration` holds
     one (predicted, committed) pair of tokens per step in which the planner made a prediction; `step_rows` the rows
@@ -30,6 +32,7 @@ class DecodeStats:
     steps: int = 0
     new_tokens: int = 0
     step_tokens: int = 0
+    setup_time: float = 0.0
     prefill_time: float = 0.0
     draft_time: float = 0.0
     forward_time: float = 0.0
@@ -73,9 +76,9 @@ class DecodeStats:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        """Tokens the decoding steps committed per second after the prefill (0.0 without steps): the speed once
-        the first token is out, which a long prompt's prefill does not dilute."""
-        decoding = self.total_time - self.prefill_time
+        """Tokens the decoding steps committed per second after the set-up and the prefill (0.0 without steps): the
+        speed once the first token is out, which a long prompt's prefill does not dilute."""
+        decoding = self.total_time - self.setup_time - self.prefill_time
         return self.step_tokens / decoding if self.steps and decoding > 0 else 0.0
 
     def summary(self) -> str:
@@ -84,16 +87,20 @@ class DecodeStats:
         drafters = ", ".join(f"{k}={v}" for k, v in sorted(self.accepted_by_drafter.items())) or "none"
         return (f"{self.new_tokens} tokens in {self.total_time:.2f} s ({self.tokens_per_second:.1f} tok/s; "
                 f"{self.decode_tokens_per_second:.1f} tok/s after the prefill), "
-                f"{self.steps} steps, {self.mean_tokens_per_step:.2f} tokens/step; time: prefill "
+                f"{self.steps} steps, {self.mean_tokens_per_step:.2f} tokens/step; time: {self._setup()}prefill "
                 f"{self.prefill_time:.2f} s, drafting {self.draft_time:.2f} s, forward {self.forward_time:.2f} s, "
                 f"verify {self.verify_time:.2f} s; accepted drafts: {drafters}")
+
+    def _setup(self) -> str:
+        """The summary's set-up part: shown when this call built layouts (a process's first generation)."""
+        return f"set-up {self.setup_time:.2f} s (once per process), " if self.setup_time >= 0.005 else ""
 
     def as_dict(self) -> dict:
         """JSON-ready dict of all fields and derived rates."""
         return {
             "steps": self.steps, "new_tokens": self.new_tokens, "step_tokens": self.step_tokens,
             "rows_verified": self.rows_verified,
-            "prefill_time": self.prefill_time, "draft_time": self.draft_time, "forward_time": self.forward_time,
+            "setup_time": self.setup_time, "prefill_time": self.prefill_time, "draft_time": self.draft_time, "forward_time": self.forward_time,
             "verify_time": self.verify_time, "total_time": self.total_time,
             "mean_tokens_per_step": self.mean_tokens_per_step, "tokens_per_second": self.tokens_per_second,
             "decode_tokens_per_second": self.decode_tokens_per_second,
