@@ -185,7 +185,7 @@ def build_layouts(model, argmax: bool, rows: int) -> float:
     """Build now what the first forward of a generation would otherwise build inside its prefill — the streamed
     kernel's panels of every packed weight whose steps' products (of up to `rows` rows) it computes, and for the LM
     head, when greedy steps take their argmax from it (`argmax`), its bounded int8 copy instead — and return the
-    seconds it took (~0.4 s for the default model on the 2-core AVX2 machine, once per process and model; ~0 once
+    seconds it took (~0.6 s for the default model on the 2-core AVX2 machine, once per process and model; ~0 once
     built, until a weight changes). Call it inside `generation_arithmetic` (and `argmax_logits`):
     `DecodeStats.setup_time` reports it apart from the prefill. Layouts only a prefill reads build on first use."""
     start = time.perf_counter()
