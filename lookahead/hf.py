@@ -139,7 +139,8 @@ class Lookahead:
         with argmax_logits(model, self.config.argmax_head and _argmax_only(request)) as argmax:
             setup = build_layouts(model, argmax, batch * self.config.step_rows)
             sequences = decoder.run()
-        decoder.stats.setup_time, decoder.stats.total_time = setup, decoder.stats.total_time + setup
+        decoder.stats.setup_time = setup
+        decoder.stats.total_time += setup  # the whole call's time
         self.last_stats = decoder.stats
         if not generation_config.return_dict_in_generate:
             return sequences

@@ -100,7 +100,8 @@ class DecodeStats:
         return {
             "steps": self.steps, "new_tokens": self.new_tokens, "step_tokens": self.step_tokens,
             "rows_verified": self.rows_verified,
-            "setup_time": self.setup_time, "prefill_time": self.prefill_time, "draft_time": self.draft_time, "forward_time": self.forward_time,
+            "setup_time": self.setup_time, "prefill_time": self.prefill_time, "draft_time": self.draft_time,
+            "forward_time": self.forward_time,
             "verify_time": self.verify_time, "total_time": self.total_time,
             "mean_tokens_per_step": self.mean_tokens_per_step, "tokens_per_second": self.tokens_per_second,
             "decode_tokens_per_second": self.decode_tokens_per_second,
