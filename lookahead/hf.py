@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import threading
 import time
 import weakref
@@ -301,6 +302,8 @@ def unpatch(model) -> None:
 
 def _patched_generate(original, decoder: Lookahead, *args, **kwargs):
     """`generate` with lookahead: reroutes the streamer and stop strings that transformers would drop."""
+    kwargs = inspect.signature(original).bind(*args, **kwargs).arguments  # a positional config is read like a kwarg
+    kwargs.update(kwargs.pop("kwargs", {}))
     if kwargs.get("custom_generate") is not None:
         raise ValueError("custom_generate= cannot be combined with a lookahead-patched model; unpatch it first")
     if kwargs.get("assistant_model") is not None:
@@ -314,22 +317,30 @@ def _patched_generate(original, decoder: Lookahead, *args, **kwargs):
     if streamer is not None:
         kwargs["lookahead_streamer"] = streamer
     _reroute_stop_strings(original.__self__, kwargs)
-    return original(*args, custom_generate=decoder, **kwargs)
+    return original(custom_generate=decoder, **kwargs)
 
 
 def _reroute_stop_strings(model, kwargs: dict) -> None:
-    """Turn `stop_strings` (kwarg or generation config) into a `StopStringCriteria` in `stopping_criteria`."""
-    config = kwargs.get("generation_config") or model.generation_config
-    stop_strings = kwargs.pop("stop_strings", None) or config.stop_strings
-    tokenizer = kwargs.pop("tokenizer", None)
+    """Turn `stop_strings` (kwarg or generation config) into a `StopStringCriteria` in `stopping_criteria`.
+
+    transformers' priority holds: the kwarg, else the passed config's, else the model's generation config's.
+    The strings then leave every config transformers reads (it would ask for the tokenizer it dropped).
+    """
+    passed = kwargs.get("generation_config")
+    if "stop_strings" in kwargs:
+        stop_strings = kwargs["stop_strings"]
+    else:
+        stop_strings = (passed.stop_strings if passed is not None else None) or model.generation_config.stop_strings
     if not stop_strings:
         return
+    tokenizer = kwargs.pop("tokenizer", None)
     if tokenizer is None:
         raise ValueError("stop_strings need the tokenizer: pass tokenizer=... to generate")
-    if config.stop_strings:
-        config = copy.deepcopy(config)
-        config.stop_strings = None
-        kwargs["generation_config"] = config
+    if passed is not None and passed.stop_strings:
+        kwargs["generation_config"] = passed = copy.deepcopy(passed)
+        passed.stop_strings = None
+    if "stop_strings" in kwargs or model.generation_config.stop_strings:
+        kwargs["stop_strings"] = None  # a None in the passed config would be filled from the model's
     criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
     criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
     kwargs["stopping_criteria"] = criteria

@@ -182,14 +182,14 @@ class _Handlers:
         """`POST /v1/chat/completions` (the chat template is applied to `messages`)."""
         body = parse_body(await request.body(), ChatRequest)
         self._check_model(body.model)
-        text = self.engine.chat_text([{"role": m.role, "content": m.text()} for m in body.messages])
+        text = self.engine.chat_text([{"role": m.template_role(), "content": m.text()} for m in body.messages])
         ids = self.engine.encode(text)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await self._respond(request, body, ids, requested, chat=True, prompt_field="messages")
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
-            raise APIError(400, f"model {model!r} is not served here; this server serves "
+            raise APIError(404, f"model {model!r} is not served here; this server serves "
                                 f"{self.settings.model_name!r} (see /v1/models)", param="model",
                            code="model_not_found")
 

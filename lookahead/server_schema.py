@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .sampling_bounds import MIN_TEMPERATURE
 from .server_engine import MAX_SEED, Sampling
@@ -78,16 +78,31 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message; `content` is a string or a list of text parts (joined)."""
+    """One chat message; `content` is a string or a list of text parts (joined). `developer` is OpenAI's newer
+    name for `system` (the chat template gets `system`); an assistant turn may send `"content": null`."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, content, info: ValidationInfo):
+        role = info.data.get("role")
+        if content is None and role != "assistant":
+            raise ValueError(f"null is only allowed on assistant messages, not on a {role} message")
+        return content
+
+    def template_role(self) -> str:
+        """The role as chat templates know it (`developer` → `system`)."""
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
-        """The message content as one string."""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        """The message content as one string (empty for a null assistant content)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text for p in self.content)
 
 
 class ChatRequest(_Request):
@@ -181,7 +196,8 @@ def _validation_error(exc: ValidationError) -> APIError:
         forms = dict.fromkeys(str(e["loc"][depth]) for e in errors
                               if e["loc"][:depth] == loc[:depth] and len(e["loc"]) > depth)
         return APIError(400, f"{path}: invalid value; expected one of: {', '.join(forms)}", param=path)
-    return APIError(400, f"{path}: {errors[0]['msg']}" if path else errors[0]["msg"], param=path or None)
+    message = errors[0]["msg"].removeprefix("Value error, ")  # a validator's own sentence, without pydantic's tag
+    return APIError(400, f"{path}: {message}" if path else message, param=path or None)
 
 
 _TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict")

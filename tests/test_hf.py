@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import time
 
@@ -208,6 +209,40 @@ def test_stop_strings_work_through_patch(tokenizer):
     lookahead.unpatch(model)
     assert torch.equal(plain, patched)
     assert plain.shape[1] < reference.shape[1]
+
+
+def _stop_string_setup(tokenizer):
+    """A tiny model, a code prompt and a stop string that ends its greedy continuation halfway."""
+    model = tiny_model("llama", dtype=torch.float32, seed=4, vocab=len(tokenizer))
+    prompt = tokenizer("def add(a, b):\n    return a + b\n\ndef add(a, b):", return_tensors="pt").input_ids
+    text = tokenizer.decode(model.generate(prompt, max_new_tokens=40, do_sample=False)[0, prompt.shape[1]:])
+    return model, prompt, text[len(text) // 2: len(text) // 2 + 3]
+
+
+@pytest.mark.parametrize("route", ["positional config", "model config", "kwarg beats config", "None kwarg"])
+def test_stop_strings_from_a_generation_config_work_through_patch(tokenizer, route):
+    """Stop strings in a config passed positionally or set on the model stop the patched model like plain generate;
+    an explicit kwarg overrides the config the same way in both."""
+    model, prompt, stop = _stop_string_setup(tokenizer)
+    config = GenerationConfig(max_new_tokens=40, do_sample=False, stop_strings=[stop])
+
+    def generate():
+        if route == "positional config":
+            return model.generate(prompt, config, tokenizer=tokenizer)
+        if route == "model config":
+            model.generation_config = copy.deepcopy(config)
+            return model.generate(prompt, tokenizer=tokenizer)
+        other = GenerationConfig(max_new_tokens=40, do_sample=False, stop_strings=["never seen here"])
+        return model.generate(prompt, other, stop_strings=[stop] if route == "kwarg beats config" else None,
+                              tokenizer=tokenizer)
+
+    saved = model.generation_config
+    plain = generate()
+    model.generation_config = saved
+    lookahead.patch(model)
+    patched = generate()
+    assert torch.equal(plain, patched)
+    assert plain.shape[1] < prompt.shape[1] + 40 or route == "None kwarg"
 
 
 def test_config_is_validated():

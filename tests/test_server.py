@@ -193,6 +193,21 @@ def test_chat_equals_mode_off_and_streams(client, tiny, tokenizer):
     assert again.choices[0].message.content == expected
 
 
+def test_chat_takes_developer_role_and_null_assistant_content(client, tiny, tokenizer):
+    """`developer` is OpenAI's newer name for `system`; an assistant turn may carry `"content": null`."""
+    def template(messages):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return _reference(tiny, tokenizer, text, 12)
+
+    developer = [{"role": "developer", "content": "Answer in one word."}, {"role": "user", "content": "Colour?"}]
+    answer = client.chat.completions.create(model=NAME, messages=developer, max_tokens=12)
+    assert answer.choices[0].message.content == template([{**developer[0], "role": "system"}, developer[1]])
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+               {"role": "user", "content": "Colour?"}]
+    answer = client.chat.completions.create(model=NAME, messages=history, max_tokens=12)
+    assert answer.choices[0].message.content == template([history[0], {**history[1], "content": ""}, history[2]])
+
+
 def test_stop_strings_end_the_completion_like_openai(client, tiny, tokenizer):
     prompt = PROMPTS[2]
     full = _reference(tiny, tokenizer, prompt, 32)
@@ -298,7 +313,7 @@ _LONG_IDS = list(range(1000, 1000 + CONTEXT + 5))
     ("/v1/completions", b'{"prompt": [1, -3]}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": -1}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": "7"}', 400, "max_tokens"),
-    ("/v1/completions", b'{"prompt": "hi", "model": "gpt-4"}', 400, "model"),
+    ("/v1/completions", b'{"prompt": "hi", "model": "gpt-4"}', 404, "model"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": 7}', 400, "temperature"),
     ("/v1/completions", b'{"prompt": "hi", "n": 0}', 400, "n"),
     ("/v1/completions", b'{"prompt": "hi", "n": 17}', 400, "n"),
@@ -317,6 +332,7 @@ _LONG_IDS = list(range(1000, 1000 + CONTEXT + 5))
     ("/v1/chat/completions", b'{"prompt": "hi"}', 400, "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "robot", "content": "x"}]}', 400, "messages[0].role"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', 400, "messages[0].content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": null}]}', 400, "messages[0].content"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}', 400, "tools"),
     ("/v1/nowhere", b"{}", 404, None),
 ])
