@@ -67,6 +67,9 @@ class LookaheadConfig:
     `attention`: "auto" attends with the `lookahead_tree` backend (`attention.py`) during generation when the
     model uses SDPA (CPU: grouped-query SDPA without copying key/value heads; CUDA: the Triton tree kernel for
     verification steps); "sdpa" keeps the model's own attention; "triton" forces the backend (CUDA only).
+    `adapt_threads` (with a measured cost curve that the plan follows, batch size 1): while other processes hold
+    the cores, steps run on one thread, and on all of them again once the cores are free (`thread_governor.py`;
+    on the 2-core machine a busy process beside a run made it 7-10x slower on two threads, barely on one).
     `seed` (sampling only): draw the token at sequence index t by Gumbel-max with noise from (seed, t), so the
     same seed gives the same tokens with or without speculation; None samples from a generator seeded by
     torch's global RNG.
@@ -101,6 +104,7 @@ class LookaheadConfig:
     compact_weights: bool = True
     argmax_head: bool = True
     attention: str = "auto"
+    adapt_threads: bool = True
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -133,7 +137,7 @@ class LookaheadConfig:
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {self.attention!r}")
         for name in ("pool_from_text", "recycle_pairs", "adaptive", "rest_drafters", "packed_linear", "lean_layers",
-                     "fused_layers", "compact_weights", "argmax_head"):
+                     "fused_layers", "compact_weights", "argmax_head", "adapt_threads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

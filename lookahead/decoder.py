@@ -23,6 +23,7 @@ from .rules import draws_follow_the_plan
 from .scores import padded_tail_logits, step_outputs
 from .sequence import Sequence
 from .stats import DecodeStats
+from .thread_governor import ThreadGovernor
 from .tree import DraftTree
 from .verify import Verdict
 
@@ -63,12 +64,15 @@ class Decoder:
         self.tap = None  # the hidden-state tap while `run()` runs with a draft head
         self.rest = DraftRest(config.rest_drafters and request.input_ids.shape[0] == 1
                               and request.cost_curve is not None and self.batch_planner.timed)
+        self.threads = request.threads or ThreadGovernor()
 
     @torch.no_grad()
     def run(self) -> torch.Tensor:
         """Generate until every sequence is done; returns [B, L + new] token ids (on the input's device)."""
         start = time.perf_counter()
-        with hidden_tap(self.model, self.request.draft_head is not None) as tap:
+        governed = self.request.threads is not None and self.request.input_ids.shape[0] == 1
+        with (hidden_tap(self.model, self.request.draft_head is not None) as tap,
+              self.threads.running(self.request.cost_curve, governed)):
             self.tap = tap
             self._prefill()
             while self.active:
@@ -131,6 +135,7 @@ class Decoder:
         steps = self._plan(sequences) if drafted else [SequenceStep(s, s.plain_tree(), False) for s in sequences]
         inputs = pack_batch([s.sequence.drafts(s.tree, s.use_window) for s in steps], self.prefix_len,
                             self.model.dtype, self.device, self.window)
+        one_thread = self.threads.one_thread_now
         t1 = time.perf_counter()
         logits = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
                             attention_mask=inputs.attention_mask, **{CACHE_KWARG: self.cache},
@@ -153,6 +158,8 @@ class Decoder:
         self.stats.draft_time += t1 - t0
         self.stats.forward_time += t2 - t1
         self.batch_planner.record(inputs.input_ids.shape[1], t2 - t1)
+        self.threads.record(inputs.input_ids.shape[1], t2 - t1)
+        self.stats.one_thread_steps += int(one_thread)
         end = time.perf_counter()
         self.stats.verify_time += end - t2
         self.rest.record(drafted, len(steps[0].committed), end - t0, t2 - t1, self.batch_planner.observed.plain_seconds)

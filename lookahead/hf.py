@@ -44,6 +44,7 @@ from .recycle_prior import configured_prior
 from .request import DecodeRequest
 from .row_kernels import RowKernels, apply_row_kernels, row_kernels_for
 from .stats import DecodeStats
+from .thread_governor import ThreadGovernor, governor_for
 from .top_p import faster_warpers
 
 _UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
@@ -135,7 +136,8 @@ class Lookahead:
                                 copies=generation_config.num_return_sequences or 1,
                                 follow_timings=self.fixed_curve is None, draft_head=configured_head(model, self.config),
                                 recycle_prior=configured_prior(model, self.config),
-                                uncached=_uncached_length(model, input_ids, generation_config, model_kwargs))
+                                uncached=_uncached_length(model, input_ids, generation_config, model_kwargs),
+                                threads=self._threads(model))
         decoder = Decoder(model, self.config, request)
         with argmax_logits(model, self.config.argmax_head and _argmax_only(request)) as argmax:
             setup = build_layouts(model, argmax, batch * self.config.step_rows)
@@ -149,6 +151,10 @@ class Lookahead:
         return GenerateDecoderOnlyOutput(sequences=sequences, **{CACHE_KWARG: decoder.cache},
                                          scores=scores if generation_config.output_scores else None,
                                          logits=logits if generation_config.output_logits else None)
+
+    def _threads(self, model) -> ThreadGovernor | None:
+        """The model's thread governor when the config adapts threads and the plan follows timings, else None."""
+        return governor_for(model) if self.config.adapt_threads and self.fixed_curve is None else None
 
     def _cost_curve(self, model, batch: int = 1):
         """The model's measured cost curve at `batch` sequences when the budget adapts (measured once up to the

@@ -14,6 +14,7 @@ from .draft_head import DraftHead
 from .drafters import SharedDrafter
 from .recycle import RecycleTable
 from .recycle_prior import RecyclePrior
+from .thread_governor import ThreadGovernor
 
 
 @dataclass
@@ -37,7 +38,9 @@ class DecodeRequest:
     draft_head: a learned head that drafts the token after the root from the target's hidden state (None: none);
     recycle_prior: rows seeded into the recycling table's empty rows (`recycle_prior.py`; None: none);
     uncached: how many of each prompt's last tokens the prefill forwards when the prompt restarts from a cache the
-    caller passed and repeats its tokens (None: the whole prompt), as transformers' own prefill slices it.
+    caller passed and repeats its tokens (None: the whole prompt), as transformers' own prefill slices it;
+    threads: the model's `ThreadGovernor`, which moves the steps to one thread while other processes hold the cores
+    (None: the caller's thread count throughout, numba's following torch's).
     """
 
     input_ids: torch.Tensor
@@ -60,3 +63,4 @@ class DecodeRequest:
     draft_head: DraftHead | None = None
     recycle_prior: RecyclePrior | None = None
     uncached: int | None = None
+    threads: ThreadGovernor | None = None

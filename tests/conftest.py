@@ -18,7 +18,8 @@ if not torch.cuda.is_available():
 os.environ["LOOKAHEAD_KERNEL_WARMUP"] = "0"
 
 # noqa: E402 below: imported after TRITON_INTERPRET is set (transformers imports triton)
-from lookahead import budget, calibration, decoder, hf, rest, row_kernels, streamed_gemm  # noqa: E402
+from lookahead import (budget, calibration, decoder, hf, rest, row_kernels, streamed_gemm,  # noqa: E402
+                       thread_governor)
 from lookahead.cost_curve import CURVE_SIZES, CostCurve  # noqa: E402
 
 
@@ -77,3 +78,20 @@ def steps_timed_by_the_curve(monkeypatch):
         own(self, rows, curve.ratio(rows) if curve is not None else 1.0)
 
     monkeypatch.setattr(budget.BatchPlanner, "record", record)
+
+
+class CurveTimedGovernor(thread_governor.ThreadGovernor):
+    """A `ThreadGovernor` that sees every step take the time the cost curve predicts (never a busy machine)."""
+
+    def record(self, rows: int, seconds: float) -> None:
+        if self.curve is not None:
+            seconds = self.curve.base_seconds * self.curve.ratio(rows)
+        super().record(rows, seconds)
+
+
+@pytest.fixture(autouse=True)
+def threads_timed_by_the_curve(monkeypatch):
+    """Generations in tests never change their thread count on the timings of the machine running them (a loaded
+    CI machine would otherwise move steps to one thread): each gets a fresh `CurveTimedGovernor`.
+    `tests/test_thread_governor.py` scripts the switches."""
+    monkeypatch.setattr(hf, "governor_for", lambda model: CurveTimedGovernor())

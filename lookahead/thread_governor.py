@@ -1,0 +1,129 @@
+"""Threads on a busy machine: one thread while other processes hold the cores, all of them again once they leave.
+
+With as many threads as cores, every parallel region of a step (PyTorch's and oneDNN's GEMMs, the numba kernels)
+ends at a barrier that waits for its slowest thread; when another process takes a core, the thread descheduled
+there holds every barrier up for a scheduler slice. Measured on the 2-core AVX2 machine (session 50) with one
+busy-looping process beside the run: plain HF greedy, 32 tokens, 1.2 s idle → 22 s on 2 threads, 1.85 s on one;
+lookahead, 64 tokens, 0.42 s idle → 4.3–6.0 s on 2 threads, 6.7 s with torch on one thread but numba on two,
+0.61 s with both on one.
+
+`ThreadGovernor` (one per model, `governor_for`) watches each step's forward time, normalised by the cost curve's
+ratio for its row count. After `STREAK` steps in a row slower than `SLOW` times the expected time (the curve's
+one-row time, or the fastest normalised step it saw), it moves torch and numba to one thread; from then on, every
+`FIRST_PROBE` seconds (doubling after each probe that loses, up to `LAST_PROBE`) one step runs on all threads again,
+and the governor stays there when that step was clearly faster than the one-thread steps. Outputs do not depend on
+it: the tokens are the rule's, whatever the thread count (tested by scripting the switches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+
+import numba
+import torch
+
+from .cost_curve import CostCurve
+
+SLOW = 2.0  # a full-thread step this many times its expected time counts as held up by other processes
+STREAK = 3  # ... and this many such steps in a row move to one thread
+FIRST_PROBE, LAST_PROBE = 1.0, 16.0  # seconds on one thread before all threads are tried again (doubling)
+WIN = 0.9  # a probe on all threads wins when its time is below this fraction of the one-thread steps' time
+_governors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def numba_threads(torch_threads: int) -> int:
+    """The numba thread count that goes with `torch_threads` torch threads (numba's pool is no larger than
+    `NUMBA_NUM_THREADS`)."""
+    return max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS))
+
+
+def set_threads(count: int) -> None:
+    """Run torch and this thread's numba kernels on `count` threads."""
+    torch.set_num_threads(count)
+    numba.set_num_threads(numba_threads(count))
+
+
+class ThreadGovernor:
+    """The thread count of one model's generations (see the module docstring); `clock` gives seconds."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.full = 1  # the caller's torch thread count in the running generation
+        self.reduced = False  # on one thread because other processes held the cores
+        self.probing = False  # the running step is a probe on all threads
+        self.expected: float | None = None  # seconds of an unhindered full-thread step per unit of curve ratio
+        self.one_thread: float | None = None  # running normalised time of the one-thread steps
+        self.streak, self.interval, self.since = 0, FIRST_PROBE, 0.0
+        self.curve: CostCurve | None = None
+
+    @contextlib.contextmanager
+    def running(self, curve: CostCurve | None, enabled: bool) -> Iterator[ThreadGovernor]:
+        """Within the block a generation runs on the governed thread count (numba following torch); `record` its
+        steps. `enabled` False or no `curve`: the caller's count throughout. After it, the caller's torch count and
+        this thread's numba count are back."""
+        full, numba_before = torch.get_num_threads(), numba.get_num_threads()
+        self.full, self.curve = full, curve if enabled and full > 1 else None
+        if self.curve is not None and self.expected is None:
+            self.expected = curve.base_seconds
+        self.probing = False
+        set_threads(1 if self.curve is not None and self.reduced else full)
+        try:
+            yield self
+        finally:
+            torch.set_num_threads(full)
+            numba.set_num_threads(numba_before)
+
+    @property
+    def one_thread_now(self) -> bool:
+        """Whether the next step runs on one thread."""
+        return self.curve is not None and self.reduced and not self.probing
+
+    def record(self, rows: int, seconds: float) -> None:
+        """Add one step's forward of `rows` rows that took `seconds`, and set the next step's thread count."""
+        if self.curve is None:
+            return
+        normalised = seconds / max(self.curve.ratio(rows), 1e-9)
+        if self.probing:
+            self._after_probe(normalised)
+        elif self.reduced:
+            self.one_thread = normalised if self.one_thread is None else 0.7 * self.one_thread + 0.3 * normalised
+            if self.clock() - self.since >= self.interval:
+                self.probing = True
+                set_threads(self.full)
+        else:
+            self._full_step(normalised)
+
+    def _full_step(self, normalised: float) -> None:
+        """A step on all threads: count it towards a streak of slow ones, or learn the unhindered time from it."""
+        if normalised > SLOW * self.expected:
+            self.streak += 1
+            if self.streak >= STREAK:
+                self.reduced, self.streak, self.one_thread = True, 0, None
+                self.interval, self.since = FIRST_PROBE, self.clock()
+                set_threads(1)
+        else:
+            self.streak = 0
+            self.expected = min(self.expected, normalised)
+
+    def _after_probe(self, normalised: float) -> None:
+        """The probe's verdict: all threads again when it beat the one-thread steps, else one thread for longer."""
+        self.probing = False
+        if self.one_thread is not None and normalised < WIN * self.one_thread:
+            self.reduced, self.expected, self.interval = False, normalised, FIRST_PROBE
+            return
+        self.interval, self.since = min(2 * self.interval, LAST_PROBE), self.clock()
+        set_threads(1)
+
+
+def governor_for(model) -> ThreadGovernor:
+    """The model's `ThreadGovernor` (made on first use; it lives as long as the model)."""
+    with _lock:
+        governor = _governors.get(model)
+        if governor is None:
+            governor = _governors[model] = ThreadGovernor()
+        return governor

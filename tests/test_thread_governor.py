@@ -1,0 +1,151 @@
+"""`thread_governor`: one thread while steps show other processes holding the cores, all threads again after a probe
+that wins; the caller's thread counts back after every generation; and outputs that do not depend on it.
+
+The policy is driven by scripted step times and a fake clock (nothing here times the machine running it).
+"""
+
+from __future__ import annotations
+
+import numba
+import pytest
+import torch
+from tiny_models import build_tiny_model as tiny_model, repetitive_prompt
+
+from lookahead import Lookahead, LookaheadConfig, hf, thread_governor
+from lookahead.cost_curve import CURVE_SIZES, CostCurve
+from lookahead.thread_governor import FIRST_PROBE, SLOW, STREAK, ThreadGovernor, numba_threads
+
+CURVE = CostCurve(CURVE_SIZES, (1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.7, 2.0, 2.6, 3.2), 0.01)
+FAST, BUSY, ONE = 0.01, 0.01 * SLOW * 3, 0.014  # seconds of a one-row step: free cores, busy cores, one thread
+
+
+class Clock:
+    """A settable clock."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture()
+def two_threads():
+    """The test runs with two torch threads (whatever the machine has); the caller's counts come back after."""
+    before, numba_before = torch.get_num_threads(), numba.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+    numba.set_num_threads(numba_before)
+
+
+def _threads() -> tuple[int, int]:
+    return torch.get_num_threads(), numba.get_num_threads()
+
+
+def test_busy_steps_move_to_one_thread_and_a_winning_probe_moves_back(two_threads):
+    clock = Clock()
+    governor = ThreadGovernor(clock)
+    with governor.running(CURVE, enabled=True):
+        for _ in range(STREAK - 1):
+            governor.record(1, BUSY)
+        governor.record(1, FAST)  # a fast step breaks the streak
+        for _ in range(STREAK - 1):
+            governor.record(1, BUSY)
+        assert _threads() == (2, numba_threads(2)) and not governor.one_thread_now
+        governor.record(4, BUSY * CURVE.ratio(4))  # normalised by the curve: as slow as the one-row steps
+        assert _threads() == (1, 1) and governor.one_thread_now
+        governor.record(1, ONE)
+        assert _threads() == (1, 1)  # not yet time to probe
+        clock.now += FIRST_PROBE
+        governor.record(1, ONE)
+        assert _threads() == (2, numba_threads(2)) and not governor.one_thread_now  # the probe step
+        governor.record(1, FAST)  # the probe beat the one-thread steps
+        assert _threads() == (2, numba_threads(2)) and not governor.reduced
+    assert _threads() == (2, numba_threads(2))
+
+
+def test_a_losing_probe_stays_on_one_thread_twice_as_long(two_threads):
+    clock = Clock()
+    governor = ThreadGovernor(clock)
+    with governor.running(CURVE, enabled=True):
+        for _ in range(STREAK):
+            governor.record(1, BUSY)
+        clock.now += FIRST_PROBE
+        governor.record(1, ONE)
+        governor.record(1, BUSY)  # the probe lost: still busy
+        assert _threads() == (1, 1) and governor.interval == 2 * FIRST_PROBE
+        clock.now += FIRST_PROBE
+        governor.record(1, ONE)
+        assert _threads() == (1, 1)  # the next probe waits the doubled interval
+        clock.now += FIRST_PROBE
+        governor.record(1, ONE)
+        assert governor.probing and _threads() == (2, numba_threads(2))
+    assert _threads() == (2, numba_threads(2))  # the caller's count back, mid-probe or not
+
+
+def test_the_state_carries_to_the_next_generation_and_the_caller_gets_its_threads_back(two_threads):
+    governor = ThreadGovernor(Clock())
+    with governor.running(CURVE, enabled=True):
+        for _ in range(STREAK):
+            governor.record(1, BUSY)
+    assert _threads() == (2, numba_threads(2))
+    with pytest.raises(RuntimeError), governor.running(CURVE, enabled=True):
+        assert _threads() == (1, 1)  # the next generation starts on one thread
+        raise RuntimeError("a failing generation")
+    assert _threads() == (2, numba_threads(2))
+
+
+@pytest.mark.parametrize("curve, enabled", [(None, True), (CURVE, False)])
+def test_without_a_curve_or_disabled_the_count_never_changes(two_threads, curve, enabled):
+    governor = ThreadGovernor(Clock())
+    with governor.running(curve, enabled):
+        for _ in range(3 * STREAK):
+            governor.record(1, BUSY)
+            assert _threads() == (2, numba_threads(2)) and not governor.one_thread_now
+
+
+def test_numba_follows_the_callers_torch_count():
+    """A caller on one torch thread (`lookahead serve --threads 1`) gets numba's kernels on one thread too: numba's
+    pool on two threads beside torch's one made a busy machine's run 10x slower."""
+    before, numba_before = torch.get_num_threads(), numba.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadGovernor().running(None, enabled=False):
+            assert _threads() == (1, 1)
+    finally:
+        torch.set_num_threads(before)
+        numba.set_num_threads(numba_before)
+
+
+class Flipping(ThreadGovernor):
+    """Switches between one thread and all of them after every step; counts the forwards at each count."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = set()
+
+    def record(self, rows: int, seconds: float) -> None:
+        self.counts.add(torch.get_num_threads())
+        if self.curve is not None:
+            self.reduced = not self.reduced
+            thread_governor.set_threads(1 if self.reduced else self.full)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("sample", [False, True])
+def test_outputs_do_not_depend_on_thread_switches(two_threads, monkeypatch, family, sample):
+    model = tiny_model(family, dtype=torch.float64, seed=5)
+    governor = Flipping()
+    monkeypatch.setattr(hf, "governor_for", lambda m: governor)
+    prompt = repetitive_prompt(3)
+    kwargs = dict(max_new_tokens=40, do_sample=sample, **({"temperature": 0.8} if sample else {}))
+    if sample:
+        plain = model.generate(prompt, custom_generate=Lookahead(LookaheadConfig.off(), seed=7), **kwargs)
+    else:
+        plain = model.generate(prompt, **kwargs)
+    decoder = Lookahead(seed=7) if sample else Lookahead()
+    out = model.generate(prompt, custom_generate=decoder, **kwargs)
+    assert torch.equal(plain, out)
+    assert governor.counts == {1, 2} and decoder.last_stats.one_thread_steps > 0
+    assert _threads() == (2, numba_threads(2))
