@@ -10,7 +10,8 @@ from lookahead.cli.build_prior import build_prior
 from lookahead.cli.calibrate import calibrate
 from lookahead.cli.entry import import_model_stack
 from lookahead.cli.options import (arithmetic_options, build_config, check_datastore, datastore_options, draft_choice,
-                                   head_options, placement_kwargs, read_prompt, sampling_kwargs)
+                                   head_options, placement_kwargs, read_prompt, sampling_kwargs, set_threads,
+                                   thread_options)
 from lookahead.cli.serve import serve
 from lookahead.cli.train_head import train_head
 
@@ -59,8 +60,10 @@ def main() -> None:
 @head_options
 @datastore_options
 @arithmetic_options
+@thread_options
 def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sample, temperature, top_k, top_p,
-             draft_path, draft_layers, tp, device_map, offload_folder, datastore, datastore_tokens, **knobs) -> None:
+             draft_path, draft_layers, tp, device_map, offload_folder, datastore, datastore_tokens, threads,
+             **knobs) -> None:
     """Stream a completion of PROMPT (or of stdin when PROMPT is omitted or `-`); greedy unless --sample."""
     text = read_prompt(prompt, sys.stdin)
     config = build_config(mode, knobs)
@@ -71,6 +74,7 @@ def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sam
     draft = draft_choice(draft_path, draft_layers, mode, knobs.get("draft_tokens"))
     placement = placement_kwargs(tp, device_map, offload_folder)
     import_model_stack()
+    set_threads(threads)
     from lookahead.cli.run import run_generate
     from lookahead.distributed import release_process_group
 

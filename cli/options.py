@@ -77,6 +77,24 @@ def arithmetic_options(command):
                              "SDPA; CUDA: the Triton tree kernel); sdpa: the model's own; triton: CUDA only.")(command)
 
 
+def thread_options(command):
+    """Add `--threads` (CPU threads, passed on as `threads`) and `--adapt-threads/--fixed-threads` (the knob
+    `adapt_threads`) to a command."""
+    command = click.option("--adapt-threads/--fixed-threads", "adapt_threads", default=None,
+                           help="Run steps on one thread while other processes hold the cores, on all again once "
+                                "they leave (default: adapt; outputs do not change).")(command)
+    return click.option("--threads", type=click.IntRange(min=1), default=None,
+                        help="CPU threads for torch and lookahead's kernels (default: torch's choice).")(command)
+
+
+def set_threads(threads: int | None) -> None:
+    """Run torch (and, through the generations, lookahead's numba kernels) on `threads` threads when given."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def head_options(command):
     """Add `--draft-head FILE`, `--head-candidates N`, `--recycle-prior` and `--recycle-pairs/--no-recycle-pairs`
     (the knobs `draft_head`, `head_candidates`, `recycle_prior`, `recycle_pairs`) to a command."""

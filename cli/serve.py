@@ -8,7 +8,7 @@ import click
 
 from lookahead.cli.entry import import_model_stack
 from lookahead.cli.options import (arithmetic_options, build_config, check_datastore, check_head, datastore_options,
-                                   head_options, open_datastore)
+                                   head_options, open_datastore, set_threads, thread_options)
 from lookahead.server_bind import allowed_hosts_for, check_bind, check_origin
 
 
@@ -45,14 +45,13 @@ from lookahead.server_bind import allowed_hosts_for, check_bind, check_origin
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True, max=3600), default=10.0,
               show_default=True, help="Seconds a client has to send a complete request (idle, slow headers or "
                                       "body: the connection is closed).")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads for torch (default: torch's choice). On a busy machine 1 can be much faster.")
 @click.option("--window-levels", type=click.IntRange(0, 8), default=None, help="Jacobi window levels (0 = off).")
 @click.option("--window-columns", type=click.IntRange(1, 64), default=None, help="Jacobi window columns.")
 @click.option("--tree-budget", type=click.IntRange(0, 1024), default=None, help="Draft tree nodes per step.")
 @head_options
 @datastore_options
 @arithmetic_options
+@thread_options
 def serve(model_path, host, port, model_name, mode, cache_tokens, prompt_cache_mb, context_length, max_body_bytes,
           max_queue, api_key, allow_origins, max_connections, request_timeout, threads, datastore, datastore_tokens,
           **knobs) -> None:
@@ -126,10 +125,7 @@ def _build_app(model_path, settings, threads: int | None, cache_tokens: int, dat
     from lookahead.server import create_app
     from lookahead.suffix_cache import SuffixCache
 
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
+    set_threads(threads)
     try:
         model, tokenizer = load_model(model_path)
     except ModelLoadError as exc:

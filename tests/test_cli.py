@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 
 import pytest
 import torch
@@ -217,6 +218,32 @@ def test_arithmetic_flags_reach_the_config_in_both_modes():
         config = build_config(mode, {"attention": "sdpa", "packed_linear": False, "seed": 3, "tree_budget": None})
         assert (config.attention, config.packed_linear, config.seed) == ("sdpa", False, 3)
     assert build_config("off", {"tree_budget": 9}).tree_budget == 0  # speculation knobs do not apply to off
+
+
+def test_thread_flags_set_the_threads_and_the_config(tiny_folder, monkeypatch):
+    """--threads sets torch's count for the run (the same text); --fixed-threads turns the governor off."""
+    from lookahead import hf
+
+    folder, _, _ = tiny_folder
+    seen = []
+    own = hf.Lookahead.__call__
+
+    @functools.wraps(own)  # transformers reads the signature for the loop's own arguments
+    def spy(self, model, *args, **kwargs):
+        seen.append((torch.get_num_threads(), self.config.adapt_threads))
+        return own(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(hf.Lookahead, "__call__", spy)
+    before = torch.get_num_threads()
+    try:
+        plain = _run("def f(x):", "--model", str(folder), "--max-new-tokens", "12")
+        pinned = _run("def f(x):", "--model", str(folder), "--max-new-tokens", "12", "--threads", "1",
+                      "--fixed-threads")
+    finally:
+        torch.set_num_threads(before)
+    assert plain.exit_code == 0 and pinned.exit_code == 0, pinned.output
+    assert pinned.stdout == plain.stdout
+    assert seen == [(before, True), (1, False)]
 
 
 def test_triton_attention_without_cuda_is_a_one_line_error(tiny_folder, monkeypatch):
