@@ -274,6 +274,11 @@ class BatchPlanner:
         """Add one timed forward of `rows` rows per sequence (`ObservedCost.record`)."""
         self.observed.record(rows, seconds)
 
+    def forget_timings(self) -> None:
+        """Drop the timed steps (the thread count changed, `thread_governor.py`): the next planned step is a plain
+        one again, the reference time at the new count."""
+        self.observed = ObservedCost(self.observed.curve)
+
     def plan(self, planners: list[StepPlanner], candidates: list[DraftTree],
              prefix_len: int) -> list[tuple[DraftTree, bool]]:
         """(pruned tree, use_window) per running sequence, given their planners and unpruned candidate trees and

@@ -2,8 +2,8 @@
 
 With as many threads as cores, every parallel region of a step (PyTorch's and oneDNN's GEMMs, the numba kernels)
 ends at a barrier that waits for its slowest thread; when another process takes a core, the thread descheduled
-there holds every barrier up for a scheduler slice. Measured on the 2-core AVX2 machine (session 50) with one
-busy-looping process beside the run: plain HF greedy, 32 tokens, 1.2 s idle → 22 s on 2 threads, 1.85 s on one;
+there holds every barrier up for a scheduler slice. Measured on a 2-core Intel Xeon (AVX-512, AMX; session 50) with
+one busy-looping process beside the run: plain HF greedy, 32 tokens, 1.2 s idle → 22 s on 2 threads, 1.85 s on one;
 lookahead, 64 tokens, 0.42 s idle → 4.3–6.0 s on 2 threads, 6.7 s with torch on one thread but numba on two,
 0.61 s with both on one.
 
@@ -83,11 +83,13 @@ class ThreadGovernor:
         """Whether the next step runs on one thread."""
         return self.curve is not None and self.reduced and not self.probing
 
-    def record(self, rows: int, seconds: float) -> None:
-        """Add one step's forward of `rows` rows that took `seconds`, and set the next step's thread count."""
+    def record(self, rows: int, seconds: float) -> bool:
+        """Add one step's forward of `rows` rows that took `seconds`, and set the next step's thread count. Returns
+        whether the steps move to one thread or back to all (a probe's single step aside): step times from before
+        no longer say what a step costs."""
         if self.curve is None:
-            return
-        normalised = seconds / max(self.curve.ratio(rows), 1e-9)
+            return False
+        normalised, reduced = seconds / max(self.curve.ratio(rows), 1e-9), self.reduced
         if self.probing:
             self._after_probe(normalised)
         elif self.reduced:
@@ -97,6 +99,7 @@ class ThreadGovernor:
                 set_threads(self.full)
         else:
             self._full_step(normalised)
+        return self.reduced != reduced
 
     def _full_step(self, normalised: float) -> None:
         """A step on all threads: count it towards a streak of slow ones, or learn the unhindered time from it."""

@@ -83,10 +83,10 @@ def steps_timed_by_the_curve(monkeypatch):
 class CurveTimedGovernor(thread_governor.ThreadGovernor):
     """A `ThreadGovernor` that sees every step take the time the cost curve predicts (never a busy machine)."""
 
-    def record(self, rows: int, seconds: float) -> None:
+    def record(self, rows: int, seconds: float) -> bool:
         if self.curve is not None:
             seconds = self.curve.base_seconds * self.curve.ratio(rows)
-        super().record(rows, seconds)
+        return super().record(rows, seconds)
 
 
 @pytest.fixture(autouse=True)

@@ -53,14 +53,14 @@ def test_busy_steps_move_to_one_thread_and_a_winning_probe_moves_back(two_thread
         for _ in range(STREAK - 1):
             governor.record(1, BUSY)
         assert _threads() == (2, numba_threads(2)) and not governor.one_thread_now
-        governor.record(4, BUSY * CURVE.ratio(4))  # normalised by the curve: as slow as the one-row steps
+        assert governor.record(4, BUSY * CURVE.ratio(4))  # normalised by the curve: as slow as the one-row steps
         assert _threads() == (1, 1) and governor.one_thread_now
         governor.record(1, ONE)
         assert _threads() == (1, 1)  # not yet time to probe
         clock.now += FIRST_PROBE
         governor.record(1, ONE)
         assert _threads() == (2, numba_threads(2)) and not governor.one_thread_now  # the probe step
-        governor.record(1, FAST)  # the probe beat the one-thread steps
+        assert governor.record(1, FAST)  # the probe beat the one-thread steps
         assert _threads() == (2, numba_threads(2)) and not governor.reduced
     assert _threads() == (2, numba_threads(2))
 
@@ -73,7 +73,7 @@ def test_a_losing_probe_stays_on_one_thread_twice_as_long(two_threads):
             governor.record(1, BUSY)
         clock.now += FIRST_PROBE
         governor.record(1, ONE)
-        governor.record(1, BUSY)  # the probe lost: still busy
+        assert not governor.record(1, BUSY)  # the probe lost: still busy, still on one thread
         assert _threads() == (1, 1) and governor.interval == 2 * FIRST_PROBE
         clock.now += FIRST_PROBE
         governor.record(1, ONE)
@@ -125,11 +125,13 @@ class Flipping(ThreadGovernor):
         super().__init__()
         self.counts = set()
 
-    def record(self, rows: int, seconds: float) -> None:
+    def record(self, rows: int, seconds: float) -> bool:
         self.counts.add(torch.get_num_threads())
-        if self.curve is not None:
-            self.reduced = not self.reduced
-            thread_governor.set_threads(1 if self.reduced else self.full)
+        if self.curve is None:
+            return False
+        self.reduced = not self.reduced
+        thread_governor.set_threads(1 if self.reduced else self.full)
+        return True  # the planner forgets its timed steps each time
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -149,3 +151,15 @@ def test_outputs_do_not_depend_on_thread_switches(two_threads, monkeypatch, fami
     assert torch.equal(plain, out)
     assert governor.counts == {1, 2} and decoder.last_stats.one_thread_steps > 0
     assert _threads() == (2, numba_threads(2))
+
+
+def test_the_planner_forgets_its_timed_steps_when_the_thread_count_changes():
+    """After a switch the next planned step is a plain one again: the reference time at the new thread count."""
+    from lookahead.budget import BatchPlanner
+
+    planner = BatchPlanner(CURVE, None, 1, draws_follow_plan=False)
+    planner.observed.record(1, 0.01)  # (conftest times the planner's own `record` by the curve)
+    planner.observed.record(8, 0.03)
+    assert planner.observed.has_plain and planner.observed.scale() != 1.0
+    planner.forget_timings()
+    assert not planner.observed.has_plain and planner.observed.scale() == 1.0 and planner.observed.curve is CURVE
