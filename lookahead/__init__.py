@@ -10,6 +10,7 @@ them with the garbage collector paused (`lookahead.cli.entry`).
 from importlib import import_module
 
 from . import numba_cache  # noqa: F401  (first: numba's cache folder must be set before any kernel is decorated)
+from . import cpu_load  # noqa: F401  (its START sample: how busy the machine is while the caller loads)
 from .config import LookaheadConfig
 from .stats import DecodeStats
 

@@ -70,9 +70,7 @@ class Decoder:
     def run(self) -> torch.Tensor:
         """Generate until every sequence is done; returns [B, L + new] token ids (on the input's device)."""
         start = time.perf_counter()
-        governed = self.request.threads is not None and self.request.input_ids.shape[0] == 1
-        with (hidden_tap(self.model, self.request.draft_head is not None) as tap,
-              self.threads.running(self.request.cost_curve, governed)):
+        with hidden_tap(self.model, self.request.draft_head is not None) as tap:
             self.tap = tap
             self._prefill()
             while self.active:
@@ -81,6 +79,13 @@ class Decoder:
         if self.request.streamer is not None:
             self.request.streamer.end()
         return self._output()
+
+    def governed_threads(self):
+        """A context within which the generation's thread count is governed (`ThreadGovernor.running`: the request's
+        governor at batch size 1; otherwise the caller's count, numba's following torch's); wrap `run` (and the
+        set-up before it) in it."""
+        governed = self.request.threads is not None and self.request.input_ids.shape[0] == 1
+        return self.threads.running(self.request.cost_curve, governed)
 
     def step_outputs(self, sequences: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """(scores, logits) of every generated position of `sequences` (what `run()` returned), one [B, V] tensor

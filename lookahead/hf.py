@@ -139,7 +139,8 @@ class Lookahead:
                                 uncached=_uncached_length(model, input_ids, generation_config, model_kwargs),
                                 threads=self._threads(model))
         decoder = Decoder(model, self.config, request)
-        with argmax_logits(model, self.config.argmax_head and _argmax_only(request)) as argmax:
+        with (argmax_logits(model, self.config.argmax_head and _argmax_only(request)) as argmax,
+              decoder.governed_threads()):
             setup = build_layouts(model, argmax, batch * self.config.step_rows)
             sequences = decoder.run()
         decoder.stats.setup_time = setup

@@ -8,7 +8,9 @@ lookahead, 64 tokens, 0.42 s idle → 4.3–6.0 s on 2 threads, 6.7 s with torch
 0.61 s with both on one.
 
 `ThreadGovernor` (one per model, `governor_for`) watches each step's forward time, normalised by the cost curve's
-ratio for its row count. After `STREAK` steps in a row slower than `SLOW` times the expected time (the curve's
+ratio for its row count. Its first generation starts on one thread when other processes kept `BUSY_CORES` cores
+busy while this one imported lookahead and loaded its model (`cpu_load.py`), so that the set-up and the prefill
+are spared too. After `STREAK` steps in a row slower than `SLOW` times the expected time (the curve's
 one-row time, or the fastest normalised step it saw), it moves torch and numba to one thread; from then on, every
 `FIRST_PROBE` seconds (doubling after each probe that loses, up to `LAST_PROBE`) one step runs on all threads again,
 and the governor stays there when that step was clearly faster than the one-thread steps. Outputs do not depend on
@@ -26,12 +28,14 @@ from collections.abc import Iterator
 import numba
 import torch
 
+from . import cpu_load
 from .cost_curve import CostCurve
 
 SLOW = 2.0  # a full-thread step this many times its expected time counts as held up by other processes
 STREAK = 3  # ... and this many such steps in a row move to one thread
 FIRST_PROBE, LAST_PROBE = 1.0, 16.0  # seconds on one thread before all threads are tried again (doubling)
 WIN = 0.9  # a probe on all threads wins when its time is below this fraction of the one-thread steps' time
+BUSY_CORES = 0.5  # cores other processes kept busy before the first generation that make it start on one thread
 _governors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -68,8 +72,10 @@ class ThreadGovernor:
         this thread's numba count are back."""
         full, numba_before = torch.get_num_threads(), numba.get_num_threads()
         self.full, self.curve = full, curve if enabled and full > 1 else None
-        if self.curve is not None and self.expected is None:
+        if self.curve is not None and self.expected is None:  # the first governed generation
             self.expected = curve.base_seconds
+            if (self.busy_elsewhere() or 0.0) >= BUSY_CORES:
+                self._to_one_thread()
         self.probing = False
         set_threads(1 if self.curve is not None and self.reduced else full)
         try:
@@ -77,6 +83,10 @@ class ThreadGovernor:
         finally:
             torch.set_num_threads(full)
             numba.set_num_threads(numba_before)
+
+    def busy_elsewhere(self) -> float | None:
+        """Cores other processes kept busy since lookahead was imported (`cpu_load.busy_elsewhere`)."""
+        return cpu_load.busy_elsewhere(cpu_load.START, cpu_load.sample())
 
     @property
     def one_thread_now(self) -> bool:
@@ -106,12 +116,16 @@ class ThreadGovernor:
         if normalised > SLOW * self.expected:
             self.streak += 1
             if self.streak >= STREAK:
-                self.reduced, self.streak, self.one_thread = True, 0, None
-                self.interval, self.since = FIRST_PROBE, self.clock()
-                set_threads(1)
+                self._to_one_thread()
         else:
             self.streak = 0
             self.expected = min(self.expected, normalised)
+
+    def _to_one_thread(self) -> None:
+        """Move to one thread; the first probe comes after `FIRST_PROBE` seconds."""
+        self.reduced, self.streak, self.one_thread = True, 0, None
+        self.interval, self.since = FIRST_PROBE, self.clock()
+        set_threads(1)
 
     def _after_probe(self, normalised: float) -> None:
         """The probe's verdict: all threads again when it beat the one-thread steps, else one thread for longer."""

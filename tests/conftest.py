@@ -81,7 +81,11 @@ def steps_timed_by_the_curve(monkeypatch):
 
 
 class CurveTimedGovernor(thread_governor.ThreadGovernor):
-    """A `ThreadGovernor` that sees every step take the time the cost curve predicts (never a busy machine)."""
+    """A `ThreadGovernor` that sees every step take the time the cost curve predicts and no other process busy
+    (never a busy machine)."""
+
+    def busy_elsewhere(self) -> float:
+        return 0.0
 
     def record(self, rows: int, seconds: float) -> bool:
         if self.curve is not None:

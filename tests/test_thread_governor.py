@@ -11,12 +11,19 @@ import pytest
 import torch
 from tiny_models import build_tiny_model as tiny_model, repetitive_prompt
 
-from lookahead import Lookahead, LookaheadConfig, hf, thread_governor
+from lookahead import Lookahead, LookaheadConfig, cpu_load, hf, thread_governor
 from lookahead.cost_curve import CURVE_SIZES, CostCurve
-from lookahead.thread_governor import FIRST_PROBE, SLOW, STREAK, ThreadGovernor, numba_threads
+from lookahead.thread_governor import BUSY_CORES, FIRST_PROBE, SLOW, STREAK, ThreadGovernor, numba_threads
 
 CURVE = CostCurve(CURVE_SIZES, (1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.7, 2.0, 2.6, 3.2), 0.01)
 FAST, BUSY, ONE = 0.01, 0.01 * SLOW * 3, 0.014  # seconds of a one-row step: free cores, busy cores, one thread
+
+
+class Quiet(ThreadGovernor):
+    """A governor that sees no other process busy before its first generation."""
+
+    def busy_elsewhere(self) -> float:
+        return 0.0
 
 
 class Clock:
@@ -45,7 +52,7 @@ def _threads() -> tuple[int, int]:
 
 def test_busy_steps_move_to_one_thread_and_a_winning_probe_moves_back(two_threads):
     clock = Clock()
-    governor = ThreadGovernor(clock)
+    governor = Quiet(clock)
     with governor.running(CURVE, enabled=True):
         for _ in range(STREAK - 1):
             governor.record(1, BUSY)
@@ -67,7 +74,7 @@ def test_busy_steps_move_to_one_thread_and_a_winning_probe_moves_back(two_thread
 
 def test_a_losing_probe_stays_on_one_thread_twice_as_long(two_threads):
     clock = Clock()
-    governor = ThreadGovernor(clock)
+    governor = Quiet(clock)
     with governor.running(CURVE, enabled=True):
         for _ in range(STREAK):
             governor.record(1, BUSY)
@@ -85,7 +92,7 @@ def test_a_losing_probe_stays_on_one_thread_twice_as_long(two_threads):
 
 
 def test_the_state_carries_to_the_next_generation_and_the_caller_gets_its_threads_back(two_threads):
-    governor = ThreadGovernor(Clock())
+    governor = Quiet(Clock())
     with governor.running(CURVE, enabled=True):
         for _ in range(STREAK):
             governor.record(1, BUSY)
@@ -98,7 +105,7 @@ def test_the_state_carries_to_the_next_generation_and_the_caller_gets_its_thread
 
 @pytest.mark.parametrize("curve, enabled", [(None, True), (CURVE, False)])
 def test_without_a_curve_or_disabled_the_count_never_changes(two_threads, curve, enabled):
-    governor = ThreadGovernor(Clock())
+    governor = Quiet(Clock())
     with governor.running(curve, enabled):
         for _ in range(3 * STREAK):
             governor.record(1, BUSY)
@@ -163,3 +170,47 @@ def test_the_planner_forgets_its_timed_steps_when_the_thread_count_changes():
     assert planner.observed.has_plain and planner.observed.scale() != 1.0
     planner.forget_timings()
     assert not planner.observed.has_plain and planner.observed.scale() == 1.0 and planner.observed.curve is CURVE
+
+
+@pytest.mark.parametrize("busy, starts_on_one", [(BUSY_CORES, True), (BUSY_CORES - 0.1, False), (None, False)])
+def test_the_first_generation_starts_on_one_thread_when_others_kept_the_cores_busy(two_threads, busy, starts_on_one):
+    """Cores other processes kept busy while lookahead loaded decide the first generation's count (set-up and prefill
+    included); later generations follow their steps only."""
+
+    class Seen(ThreadGovernor):
+        def busy_elsewhere(self):
+            return busy
+
+    governor = Seen(Clock())
+    with governor.running(CURVE, enabled=True):
+        assert governor.one_thread_now == starts_on_one
+        assert _threads() == ((1, 1) if starts_on_one else (2, numba_threads(2)))
+    busy = BUSY_CORES + 1  # no longer asked
+    with governor.running(CURVE, enabled=True):
+        assert governor.one_thread_now == starts_on_one
+
+
+def test_busy_elsewhere_counts_the_other_processes_cores():
+    start = cpu_load.CpuSample(wall=10.0, busy=100.0, own=5.0)
+    assert cpu_load.busy_elsewhere(start, cpu_load.CpuSample(12.0, 103.0, 6.0)) == pytest.approx(1.0)  # 3 - 1 own
+    assert cpu_load.busy_elsewhere(start, cpu_load.CpuSample(12.0, 100.5, 6.0)) == 0.0  # own counted coarsely
+    assert cpu_load.busy_elsewhere(start, cpu_load.CpuSample(10.1, 101.0, 5.0)) is None  # too short to tell
+    assert cpu_load.busy_elsewhere(start, cpu_load.CpuSample(1e4, 1e4, 5.0)) is None  # too long ago
+    assert cpu_load.busy_elsewhere(None, start) is None
+
+
+@pytest.mark.skipif(cpu_load.sample() is None, reason="/proc/stat (Linux) is what cpu_load reads")
+def test_busy_elsewhere_sees_a_spinning_process():
+    import subprocess
+    import sys
+    import time
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # the interpreter has started and spins
+        start = cpu_load.sample()
+        time.sleep(cpu_load.MIN_WINDOW + 0.2)
+        assert cpu_load.busy_elsewhere(start, cpu_load.sample()) >= BUSY_CORES
+    finally:
+        spinner.kill()
+        spinner.wait()
