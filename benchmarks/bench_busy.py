@@ -6,8 +6,8 @@
 `--busy N` starts N processes that spin on the CPU for the whole run (0: an idle machine, the reference). Per prompt
 and repetition, interleaved: HF greedy on `--threads` threads and on one thread, lookahead with its thread governor
 (`lookahead/thread_governor.py`, the default) and lookahead on a fixed thread count (`adapt_threads=False`). Every
-output is compared with HF greedy's, token for token; `one_thread_steps` counts the steps the governor ran on one
-thread.
+output is compared with HF greedy's, token for token; `fewer_threads_steps` counts the steps the governor ran on fewer
+threads.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def run_prompts(model, tokenizer, prompts, args, lookahead) -> list[dict]:
 
 
 def run_method(model, ids, method: str, args, counter, lookahead) -> dict:
-    """One timed generation by `method` (see METHODS); lookahead's runs add the steps its governor ran on one
-    thread."""
+    """One timed generation by `method` (see METHODS); lookahead's runs add the steps its governor ran on fewer
+    threads."""
     if method == "hf_greedy_one_thread":
         torch.set_num_threads(1)
         try:
@@ -99,7 +99,7 @@ def run_method(model, ids, method: str, args, counter, lookahead) -> dict:
         return timed_run(model, ids, method, args.max_new_tokens, counter, do_sample=False)
     decoder = lookahead.Lookahead(adapt_threads=method == "lookahead")
     run = timed_run(model, ids, method, args.max_new_tokens, counter, do_sample=False, custom_generate=decoder)
-    run["one_thread_steps"] = decoder.last_stats.one_thread_steps
+    run["fewer_threads_steps"] = decoder.last_stats.fewer_threads_steps
     return run
 
 
@@ -113,7 +113,7 @@ def summarize(runs: list[dict]) -> dict:
                            "speedup_vs_hf_greedy": statistics.median(r["hf_greedy"]["seconds"] / r[method]["seconds"]
                                                                      for r in runs),
                            "tokens_per_step": statistics.median(t["tokens_per_step"] for t in timed),
-                           "one_thread_steps": sum(t.get("one_thread_steps", 0) for t in timed)}
+                           "fewer_threads_steps": sum(t.get("fewer_threads_steps", 0) for t in timed)}
     summary["identical"] = f"{sum(r['identical'] for r in runs)}/{len(runs)}"
     return summary
 
@@ -125,9 +125,9 @@ def format_table(result: dict) -> str:
             f"{machine['threads']} threads; {result['busy_processes']} busy processes; outputs identical to HF greedy: "
             f"{summary['identical']}\n\nCommand: `{result['command']}`\n")
     rows = [[method, f"{s['seconds']:.2f}", f"{s['tokens_per_second']:.1f}", f"{s['speedup_vs_hf_greedy']:.2f}x",
-             f"{s['tokens_per_step']:.2f}", str(s["one_thread_steps"])]
+             f"{s['tokens_per_step']:.2f}", str(s["fewer_threads_steps"])]
             for method, s in summary.items() if method != "identical"]
-    header = ["method", "seconds", "tok/s", "× HF greedy", "tokens/step", "steps on one thread"]
+    header = ["method", "seconds", "tok/s", "× HF greedy", "tokens/step", "steps on fewer threads"]
     return head + "\n" + "\n".join(markdown_table(header, rows))
 
 

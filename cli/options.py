@@ -81,7 +81,7 @@ def thread_options(command):
     """Add `--threads` (CPU threads, passed on as `threads`) and `--adapt-threads/--fixed-threads` (the knob
     `adapt_threads`) to a command."""
     command = click.option("--adapt-threads/--fixed-threads", "adapt_threads", default=None,
-                           help="Run steps on one thread while other processes hold the cores, on all again once "
+                           help="Run steps on fewer threads while other processes hold the cores, on all again once "
                                 "they leave (default: adapt; outputs do not change).")(command)
     return click.option("--threads", type=click.IntRange(min=1), default=None,
                         help="CPU threads for torch and lookahead's kernels (default: torch's choice).")(command)

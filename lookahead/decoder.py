@@ -140,7 +140,7 @@ class Decoder:
         steps = self._plan(sequences) if drafted else [SequenceStep(s, s.plain_tree(), False) for s in sequences]
         inputs = pack_batch([s.sequence.drafts(s.tree, s.use_window) for s in steps], self.prefix_len,
                             self.model.dtype, self.device, self.window)
-        one_thread, probe = self.threads.one_thread_now, self.threads.probing
+        reduced, probe = self.threads.reduced_now, self.threads.probing
         t1 = time.perf_counter()
         logits = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
                             attention_mask=inputs.attention_mask, **{CACHE_KWARG: self.cache},
@@ -166,7 +166,7 @@ class Decoder:
             self.batch_planner.record(inputs.input_ids.shape[1], t2 - t1)
         if self.threads.record(inputs.input_ids.shape[1], t2 - t1):
             self.batch_planner.forget_timings()
-        self.stats.one_thread_steps += int(one_thread)
+        self.stats.fewer_threads_steps += int(reduced)
         end = time.perf_counter()
         self.stats.verify_time += end - t2
         self.rest.record(drafted, len(steps[0].committed), end - t0, t2 - t1, self.batch_planner.observed.plain_seconds)

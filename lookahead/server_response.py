@@ -82,7 +82,7 @@ class ResponseShape:
 def speculation_stats(stats: list[DecodeStats]) -> dict:
     """The `lookahead` extra field of a response from its generations' `DecodeStats`: tokens per step and
     friends, over all of them (`prefill_seconds`: their prompts' forwards, the time before the first token;
-    `one_thread_steps`: steps run on one thread while other processes held the cores, `thread_governor.py`)."""
+    `fewer_threads_steps`: steps run on fewer threads while other processes held the cores, `thread_governor.py`)."""
     total = DecodeStats(steps=sum(s.steps for s in stats), new_tokens=sum(s.new_tokens for s in stats),
                         step_tokens=sum(s.step_tokens for s in stats), total_time=sum(s.total_time for s in stats),
                         accepted_by_drafter=sum((s.accepted_by_drafter for s in stats), Counter()))
@@ -90,7 +90,7 @@ def speculation_stats(stats: list[DecodeStats]) -> dict:
             "new_tokens": total.new_tokens, "tokens_per_second": round(total.tokens_per_second, 2),
             "accepted_by_drafter": dict(total.accepted_by_drafter),
             "prefill_seconds": round(sum(s.prefill_time for s in stats), 4),
-            "one_thread_steps": sum(s.one_thread_steps for s in stats)}
+            "fewer_threads_steps": sum(s.fewer_threads_steps for s in stats)}
 
 
 def sse(obj: dict | str) -> bytes:

@@ -26,8 +26,8 @@ class DecodeStats:
     `new_tokens` counts the prefill's first token too; `step_tokens` only what decoding steps committed.
     `tokens_per_step` maps tokens committed in a step to how many steps committed that many. `calibration` holds
     one (predicted, committed) pair of tokens per step in which the planner made a prediction; `step_rows` the rows
-    each step verified; `one_thread_steps` the steps run on one thread while other processes held the cores
-    (`thread_governor.py`).
+    each step verified; `fewer_threads_steps` the steps run on fewer threads than the caller's while other processes
+    held the cores (`thread_governor.py`).
     """
 
     steps: int = 0
@@ -43,7 +43,7 @@ class DecodeStats:
     accepted_by_drafter: Counter = field(default_factory=Counter)
     calibration: list = field(default_factory=list)  # [(predicted tokens, committed tokens)] per step
     step_rows: list = field(default_factory=list)  # rows verified (per sequence) by each step, in order
-    one_thread_steps: int = 0
+    fewer_threads_steps: int = 0
 
     def record_step(self, n_tokens: int, n_rows: int, accepted: AcceptedDrafts) -> None:
         """Add one decoding step that committed `n_tokens` after verifying `n_rows` rows."""
@@ -91,13 +91,13 @@ class DecodeStats:
                 f"{self.decode_tokens_per_second:.1f} tok/s after the prefill), "
                 f"{self.steps} steps, {self.mean_tokens_per_step:.2f} tokens/step; time: {self._setup()}prefill "
                 f"{self.prefill_time:.2f} s, drafting {self.draft_time:.2f} s, forward {self.forward_time:.2f} s, "
-                f"verify {self.verify_time:.2f} s; accepted drafts: {drafters}{self._one_thread()}")
+                f"verify {self.verify_time:.2f} s; accepted drafts: {drafters}{self._fewer_threads()}")
 
-    def _one_thread(self) -> str:
-        """The summary's thread part: shown when steps ran on one thread because the cores were busy."""
-        if not self.one_thread_steps:
+    def _fewer_threads(self) -> str:
+        """The summary's thread part: shown when steps ran on fewer threads because the cores were busy."""
+        if not self.fewer_threads_steps:
             return ""
-        return f"; {self.one_thread_steps} of {self.steps} steps on one thread (other processes held the cores)"
+        return f"; {self.fewer_threads_steps} of {self.steps} steps on fewer threads (other processes held the cores)"
 
     def _setup(self) -> str:
         """The summary's set-up part: shown when this call built layouts (a process's first generation)."""
@@ -116,5 +116,5 @@ class DecodeStats:
             "tokens_per_step": dict(sorted(self.tokens_per_step.items())),
             "accepted_by_drafter": dict(self.accepted_by_drafter),
             "mean_expected_tokens": self.mean_expected_tokens, "calibration": [list(p) for p in self.calibration],
-            "step_rows": list(self.step_rows), "one_thread_steps": self.one_thread_steps,
+            "step_rows": list(self.step_rows), "fewer_threads_steps": self.fewer_threads_steps,
         }

@@ -1,4 +1,4 @@
-"""Threads on a busy machine: one thread while other processes hold the cores, all of them again once they leave.
+"""Threads on a busy machine: fewer threads while other processes hold the cores, all of them again once they leave.
 
 With as many threads as cores, every parallel region of a step (PyTorch's and oneDNN's GEMMs, the numba kernels)
 ends at a barrier that waits for its slowest thread; when another process takes a core, the thread descheduled
@@ -8,13 +8,15 @@ lookahead, 64 tokens, 0.42 s idle → 4.3–6.0 s on 2 threads, 6.7 s with torch
 0.61 s with both on one.
 
 `ThreadGovernor` (one per model, `governor_for`) watches each step's forward time, normalised by the cost curve's
-ratio for its row count. Its first generation starts on one thread when other processes kept `BUSY_CORES` cores
-busy while this one imported lookahead and loaded its model (`cpu_load.py`), so that the set-up and the prefill
-are spared too. After `STREAK` steps in a row slower than `SLOW` times the expected time (the curve's
-one-row time, or the fastest normalised step it saw), it moves torch and numba to one thread; from then on, every
-`FIRST_PROBE` seconds (doubling after each probe that loses, up to `LAST_PROBE`) one step runs on all threads again,
-and the governor stays there when that step was clearly faster than the one-thread steps. Outputs do not depend on
-it: the tokens are the rule's, whatever the thread count (tested by scripting the switches).
+ratio for its row count. After `STREAK` steps in a row slower than `SLOW` times the expected time (the curve's
+one-row time, or the fastest normalised step it saw), it halves torch's and numba's thread count (on two cores: one
+thread), and halves it again while the steps stay that slow at the new count; from then on, every `FIRST_PROBE`
+seconds (doubling after each probe that loses, up to `LAST_PROBE`) one step runs on all threads again, and the
+governor stays there when that step was clearly faster than the reduced steps. A model's first generation starts
+halved when other processes kept `BUSY_CORES` cores busy while this one imported lookahead and loaded its model
+(`cpu_load.py`), so that the set-up and the prefill are spared too. Outputs do not depend on it: the tokens are the
+rule's, whatever the thread count (tested by scripting the switches). Measured on 2 cores only: halving rather than
+dropping to one thread is for machines with many cores, where one busy process takes one core of many.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from . import cpu_load
 from .cost_curve import CostCurve
 
 SLOW = 2.0  # a full-thread step this many times its expected time counts as held up by other processes
-STREAK = 3  # ... and this many such steps in a row move to one thread
-FIRST_PROBE, LAST_PROBE = 1.0, 16.0  # seconds on one thread before all threads are tried again (doubling)
-WIN = 0.9  # a probe on all threads wins when its time is below this fraction of the one-thread steps' time
-BUSY_CORES = 0.5  # cores other processes kept busy before the first generation that make it start on one thread
+STREAK = 3  # ... and this many such steps in a row halve the thread count
+FIRST_PROBE, LAST_PROBE = 1.0, 16.0  # seconds on fewer threads before all threads are tried again (doubling)
+WIN = 0.9  # a probe on all threads wins when its time is below this fraction of the reduced steps' time
+BUSY_CORES = 0.5  # cores other processes kept busy before the first generation that make it start halved
 _governors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -58,10 +60,11 @@ class ThreadGovernor:
     def __init__(self, clock=time.monotonic):
         self.clock = clock
         self.full = 1  # the caller's torch thread count in the running generation
-        self.reduced = False  # on one thread because other processes held the cores
+        self.count = 1  # the count of the steps while reduced
+        self.reduced = False  # on fewer threads because other processes held the cores
         self.probing = False  # the running step is a probe on all threads
         self.expected: float | None = None  # seconds of an unhindered full-thread step per unit of curve ratio
-        self.one_thread: float | None = None  # running normalised time of the one-thread steps
+        self.reduced_time: float | None = None  # running normalised time of the steps on `count` threads
         self.streak, self.interval, self.since = 0, FIRST_PROBE, 0.0
         self.curve: CostCurve | None = None
 
@@ -71,13 +74,15 @@ class ThreadGovernor:
         steps. `enabled` False or no `curve`: the caller's count throughout. After it, the caller's torch count and
         this thread's numba count are back."""
         full, numba_before = torch.get_num_threads(), numba.get_num_threads()
-        self.full, self.curve = full, curve if enabled and full > 1 else None
+        if full != self.full:  # the caller changed its count: start over from it
+            self.full, self.reduced, self.count = full, False, full
+        self.curve = curve if enabled and full > 1 else None
         if self.curve is not None and self.expected is None:  # the first governed generation
             self.expected = curve.base_seconds
             if (self.busy_elsewhere() or 0.0) >= BUSY_CORES:
-                self._to_one_thread()
+                self._reduce()
         self.probing = False
-        set_threads(1 if self.curve is not None and self.reduced else full)
+        set_threads(self.count if self.curve is not None and self.reduced else full)
         try:
             yield self
         finally:
@@ -89,52 +94,66 @@ class ThreadGovernor:
         return cpu_load.busy_elsewhere(cpu_load.START, cpu_load.sample())
 
     @property
-    def one_thread_now(self) -> bool:
-        """Whether the next step runs on one thread."""
+    def reduced_now(self) -> bool:
+        """Whether the next step runs on fewer threads than the caller's."""
         return self.curve is not None and self.reduced and not self.probing
 
     def record(self, rows: int, seconds: float) -> bool:
         """Add one step's forward of `rows` rows that took `seconds`, and set the next step's thread count. Returns
-        whether the steps move to one thread or back to all (a probe's single step aside): step times from before
-        no longer say what a step costs."""
+        whether the steps move to another count (a probe's single step aside): step times from before no longer say
+        what a step costs."""
         if self.curve is None:
             return False
-        normalised, reduced = seconds / max(self.curve.ratio(rows), 1e-9), self.reduced
+        normalised, before = seconds / max(self.curve.ratio(rows), 1e-9), (self.reduced, self.count)
         if self.probing:
             self._after_probe(normalised)
         elif self.reduced:
-            self.one_thread = normalised if self.one_thread is None else 0.7 * self.one_thread + 0.3 * normalised
-            if self.clock() - self.since >= self.interval:
-                self.probing = True
-                set_threads(self.full)
-        else:
-            self._full_step(normalised)
-        return self.reduced != reduced
+            self._reduced_step(normalised)
+        elif self._slow(normalised, self.full):
+            self._reduce()
+        return (self.reduced, self.count) != before
 
-    def _full_step(self, normalised: float) -> None:
-        """A step on all threads: count it towards a streak of slow ones, or learn the unhindered time from it."""
-        if normalised > SLOW * self.expected:
-            self.streak += 1
-            if self.streak >= STREAK:
-                self._to_one_thread()
-        else:
+    def _slow(self, normalised: float, threads: int) -> bool:
+        """Whether `STREAK` steps in a row on `threads` threads were held up: over `SLOW` times the unhindered
+        full-thread time, scaled to `threads` threads as if the work split evenly. An unhindered full-thread step
+        lowers that time."""
+        if normalised <= SLOW * self.expected * self.full / threads:
             self.streak = 0
-            self.expected = min(self.expected, normalised)
+            if threads == self.full:
+                self.expected = min(self.expected, normalised)
+            return False
+        self.streak += 1
+        return self.streak >= STREAK
 
-    def _to_one_thread(self) -> None:
-        """Move to one thread; the first probe comes after `FIRST_PROBE` seconds."""
-        self.reduced, self.streak, self.one_thread = True, 0, None
+    def _reduced_step(self, normalised: float) -> None:
+        """A step on `count` threads: halve again if still held up, else time it and probe all threads when due."""
+        if self.count > 1 and self._slow(normalised, self.count):
+            self._reduce()
+            return
+        previous = self.reduced_time
+        self.reduced_time = normalised if previous is None else 0.7 * previous + 0.3 * normalised
+        if self.clock() - self.since >= self.interval:
+            self.probing = True
+            set_threads(self.full)
+
+    def _reduce(self) -> None:
+        """Halve the thread count (all threads → half of them → ... → one); the next probe comes after
+        `FIRST_PROBE` seconds."""
+        self.count = max(1, (self.count if self.reduced else self.full) // 2)
+        self.reduced, self.streak, self.reduced_time = True, 0, None
         self.interval, self.since = FIRST_PROBE, self.clock()
-        set_threads(1)
+        set_threads(self.count)
 
     def _after_probe(self, normalised: float) -> None:
-        """The probe's verdict: all threads again when it beat the one-thread steps, else one thread for longer."""
+        """The probe's verdict: all threads again when it beat the reduced steps, else the reduced count for
+        longer."""
         self.probing = False
-        if self.one_thread is not None and normalised < WIN * self.one_thread:
-            self.reduced, self.expected, self.interval = False, normalised, FIRST_PROBE
+        if self.reduced_time is not None and normalised < WIN * self.reduced_time:
+            self.reduced, self.count, self.expected, self.interval = False, self.full, normalised, FIRST_PROBE
+            self.streak = 0
             return
         self.interval, self.since = min(2 * self.interval, LAST_PROBE), self.clock()
-        set_threads(1)
+        set_threads(self.count)
 
 
 def governor_for(model) -> ThreadGovernor:

@@ -142,7 +142,7 @@ def test_completion_equals_mode_off(client, tiny, tokenizer):
     assert response.usage.prompt_tokens == len(tokenizer(prompt).input_ids)
     assert response.usage.completion_tokens == 24
     stats = response.model_extra["lookahead"]
-    assert stats["new_tokens"] == 24 and stats["tokens_per_step"] >= 1 and stats["one_thread_steps"] == 0
+    assert stats["new_tokens"] == 24 and stats["tokens_per_step"] >= 1 and stats["fewer_threads_steps"] == 0
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(client):

@@ -1,5 +1,5 @@
-"""`thread_governor`: one thread while steps show other processes holding the cores, all threads again after a probe
-that wins; the caller's thread counts back after every generation; and outputs that do not depend on it.
+"""`thread_governor`: fewer threads while steps show other processes holding the cores, all threads again after a
+probe that wins; the caller's thread counts back after every generation; and outputs that do not depend on it.
 
 The policy is driven by scripted step times and a fake clock (nothing here times the machine running it).
 """
@@ -16,7 +16,7 @@ from lookahead.cost_curve import CURVE_SIZES, CostCurve
 from lookahead.thread_governor import BUSY_CORES, FIRST_PROBE, SLOW, STREAK, ThreadGovernor, numba_threads
 
 CURVE = CostCurve(CURVE_SIZES, (1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.7, 2.0, 2.6, 3.2), 0.01)
-FAST, BUSY, ONE = 0.01, 0.01 * SLOW * 3, 0.014  # seconds of a one-row step: free cores, busy cores, one thread
+FAST, BUSY, ONE = 0.01, 0.01 * SLOW * 3, 0.014  # seconds of a one-row step: free cores, busy cores, fewer threads
 
 
 class Quiet(ThreadGovernor):
@@ -59,15 +59,15 @@ def test_busy_steps_move_to_one_thread_and_a_winning_probe_moves_back(two_thread
         governor.record(1, FAST)  # a fast step breaks the streak
         for _ in range(STREAK - 1):
             governor.record(1, BUSY)
-        assert _threads() == (2, numba_threads(2)) and not governor.one_thread_now
+        assert _threads() == (2, numba_threads(2)) and not governor.reduced_now
         assert governor.record(4, BUSY * CURVE.ratio(4))  # normalised by the curve: as slow as the one-row steps
-        assert _threads() == (1, 1) and governor.one_thread_now
+        assert _threads() == (1, 1) and governor.reduced_now
         governor.record(1, ONE)
         assert _threads() == (1, 1)  # not yet time to probe
         clock.now += FIRST_PROBE
         governor.record(1, ONE)
-        assert _threads() == (2, numba_threads(2)) and not governor.one_thread_now  # the probe step
-        assert governor.record(1, FAST)  # the probe beat the one-thread steps
+        assert _threads() == (2, numba_threads(2)) and not governor.reduced_now  # the probe step
+        assert governor.record(1, FAST)  # the probe beat the reduced steps
         assert _threads() == (2, numba_threads(2)) and not governor.reduced
     assert _threads() == (2, numba_threads(2))
 
@@ -109,7 +109,7 @@ def test_without_a_curve_or_disabled_the_count_never_changes(two_threads, curve,
     with governor.running(curve, enabled):
         for _ in range(3 * STREAK):
             governor.record(1, BUSY)
-            assert _threads() == (2, numba_threads(2)) and not governor.one_thread_now
+            assert _threads() == (2, numba_threads(2)) and not governor.reduced_now
 
 
 def test_numba_follows_the_callers_torch_count():
@@ -156,7 +156,7 @@ def test_outputs_do_not_depend_on_thread_switches(two_threads, monkeypatch, fami
     decoder = Lookahead(seed=7) if sample else Lookahead()
     out = model.generate(prompt, custom_generate=decoder, **kwargs)
     assert torch.equal(plain, out)
-    assert governor.counts == {1, 2} and decoder.last_stats.one_thread_steps > 0
+    assert governor.counts == {1, 2} and decoder.last_stats.fewer_threads_steps > 0
     assert _threads() == (2, numba_threads(2))
 
 
@@ -183,11 +183,11 @@ def test_the_first_generation_starts_on_one_thread_when_others_kept_the_cores_bu
 
     governor = Seen(Clock())
     with governor.running(CURVE, enabled=True):
-        assert governor.one_thread_now == starts_on_one
+        assert governor.reduced_now == starts_on_one
         assert _threads() == ((1, 1) if starts_on_one else (2, numba_threads(2)))
     busy = BUSY_CORES + 1  # no longer asked
     with governor.running(CURVE, enabled=True):
-        assert governor.one_thread_now == starts_on_one
+        assert governor.reduced_now == starts_on_one
 
 
 def test_busy_elsewhere_counts_the_other_processes_cores():
@@ -214,3 +214,25 @@ def test_busy_elsewhere_sees_a_spinning_process():
     finally:
         spinner.kill()
         spinner.wait()
+
+
+def test_many_threads_halve_while_the_steps_stay_held_up():
+    """Four threads: busy steps halve the count to two, still-busy steps at two (over SLOW times the full-thread time
+    scaled to two threads) to one; a step at two threads that is merely twice as slow as on four is not held up."""
+    before, numba_before = torch.get_num_threads(), numba.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        governor = Quiet(Clock())
+        with governor.running(CURVE, enabled=True):
+            for _ in range(STREAK):
+                governor.record(1, BUSY)
+            assert governor.count == 2 and _threads() == (2, numba_threads(2))
+            for _ in range(2 * STREAK):
+                assert not governor.record(1, 2 * FAST)  # twice the four-thread time on half the threads: fine
+            for _ in range(STREAK - 1):
+                governor.record(1, 2 * BUSY)
+            assert governor.record(1, 2 * BUSY) and governor.count == 1 and _threads() == (1, 1)
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
+        numba.set_num_threads(numba_before)
