@@ -70,7 +70,7 @@ class LookaheadConfig:
     `adapt_threads` (with a measured cost curve that the plan follows, batch size 1): while other processes hold
     the cores, steps run on half the threads (one on two cores), and on all again once the cores are free
     (`thread_governor.py`; `benchmarks/bench_busy.py`, 2-core Intel Xeon, session 50: 48 tokens beside one busy
-    process took 8.6 s on two fixed threads, 1.23 s governed, 0.55 s on the idle machine).
+    process took 10.8 s on two fixed threads, 1.42 s governed, 0.53 s on the idle machine).
     `seed` (sampling only): draw the token at sequence index t by Gumbel-max with noise from (seed, t), so the
     same seed gives the same tokens with or without speculation; None samples from a generator seeded by
     torch's global RNG.
