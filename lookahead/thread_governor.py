@@ -75,7 +75,7 @@ class ThreadGovernor:
         this thread's numba count are back."""
         full, numba_before = torch.get_num_threads(), numba.get_num_threads()
         if full != self.full:  # the caller changed its count: start over from it
-            self.full, self.reduced, self.count = full, False, full
+            self.full, self.reduced, self.count, self.expected = full, False, full, None
         self.curve = curve if enabled and full > 1 else None
         if self.curve is not None and self.expected is None:  # the first governed generation
             self.expected = curve.base_seconds

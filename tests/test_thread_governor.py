@@ -236,3 +236,14 @@ def test_many_threads_halve_while_the_steps_stay_held_up():
     finally:
         torch.set_num_threads(before)
         numba.set_num_threads(numba_before)
+
+
+def test_a_caller_that_changes_its_count_starts_the_governor_over(two_threads):
+    governor = Quiet(Clock())
+    with governor.running(CURVE, enabled=True):
+        for _ in range(STREAK):
+            governor.record(1, BUSY)
+        assert governor.reduced_now
+    torch.set_num_threads(3)
+    with governor.running(CURVE, enabled=True):
+        assert not governor.reduced_now and torch.get_num_threads() == 3 and governor.expected == CURVE.base_seconds
