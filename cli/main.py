@@ -10,7 +10,7 @@ from lookahead.cli.build_prior import build_prior
 from lookahead.cli.calibrate import calibrate
 from lookahead.cli.entry import import_model_stack
 from lookahead.cli.options import (arithmetic_options, build_config, check_datastore, datastore_options, draft_choice,
-                                   head_options, placement_kwargs, read_prompt, sampling_kwargs, set_threads,
+                                   head_options, placement_kwargs, read_prompt, sampling_kwargs, set_torch_threads,
                                    thread_options)
 from lookahead.cli.serve import serve
 from lookahead.cli.train_head import train_head
@@ -74,7 +74,7 @@ def generate(prompt, model_path, chat, max_new_tokens, mode, stats, compare, sam
     draft = draft_choice(draft_path, draft_layers, mode, knobs.get("draft_tokens"))
     placement = placement_kwargs(tp, device_map, offload_folder)
     import_model_stack()
-    set_threads(threads)
+    set_torch_threads(threads)
     from lookahead.cli.run import run_generate
     from lookahead.distributed import release_process_group
 

@@ -87,7 +87,7 @@ def thread_options(command):
                         help="CPU threads for torch and lookahead's kernels (default: torch's choice).")(command)
 
 
-def set_threads(threads: int | None) -> None:
+def set_torch_threads(threads: int | None) -> None:
     """Run torch (and, through the generations, lookahead's numba kernels) on `threads` threads when given."""
     if threads is not None:
         import torch

@@ -8,7 +8,7 @@ import click
 
 from lookahead.cli.entry import import_model_stack
 from lookahead.cli.options import (arithmetic_options, build_config, check_datastore, check_head, datastore_options,
-                                   head_options, open_datastore, set_threads, thread_options)
+                                   head_options, open_datastore, set_torch_threads, thread_options)
 from lookahead.server_bind import allowed_hosts_for, check_bind, check_origin
 
 
@@ -125,7 +125,7 @@ def _build_app(model_path, settings, threads: int | None, cache_tokens: int, dat
     from lookahead.server import create_app
     from lookahead.suffix_cache import SuffixCache
 
-    set_threads(threads)
+    set_torch_threads(threads)
     try:
         model, tokenizer = load_model(model_path)
     except ModelLoadError as exc:

@@ -1,7 +1,7 @@
 """How many cores other processes keep busy: the machine's CPU time (`/proc/stat`, Linux) against this process's own
 (`os.times`), between two samples. `START` is taken when lookahead is imported, so a generation's first call can
 tell, for free, whether other processes were busy while this one imported and loaded its model (the thread governor
-then starts on one thread). Elsewhere than Linux, or for a window too short or too long to mean the present, it
+then starts on half the threads). Elsewhere than Linux, or for a window too short or too long to mean the present, it
 answers None.
 """
 

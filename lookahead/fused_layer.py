@@ -21,7 +21,6 @@ numba's loops, a step of many rows over a long cache attends with PyTorch's SDPA
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
 from torch import nn
@@ -30,6 +29,7 @@ from . import attention_kernel, decode_attention, streamed_gemm
 from .cache_layer import SlabLayer
 from .fused_kernels import attention_inputs, decoder_layer, entry_leads, layer_output
 from .packed_linear import FusedMember, PackedLinear
+from .thread_governor import numba_threads
 
 _ATTENTIONS = ("sdpa", "lookahead_tree")  # implementations whose meaning the fused attention computes
 _EXTRAS = ("position_bias", "cache", "softcap", "s_aux", "output_attentions")  # attention features it lacks
@@ -171,7 +171,7 @@ class FusedLayer:
 
 def compiled_threads() -> int:
     """The threads a compiled step's products use: torch's thread count, within what numba may run."""
-    return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    return numba_threads(torch.get_num_threads())
 
 
 def slab_layer(past_key_values, layer_idx: int, batch: int = 1) -> SlabLayer | None:

@@ -39,7 +39,7 @@ class DecodeRequest:
     recycle_prior: rows seeded into the recycling table's empty rows (`recycle_prior.py`; None: none);
     uncached: how many of each prompt's last tokens the prefill forwards when the prompt restarts from a cache the
     caller passed and repeats its tokens (None: the whole prompt), as transformers' own prefill slices it;
-    threads: the model's `ThreadGovernor`, which moves the steps to one thread while other processes hold the cores
+    threads: the model's `ThreadGovernor`, which moves the steps to fewer threads while other processes hold the cores
     (None: the caller's thread count throughout, numba's following torch's).
     """
 
