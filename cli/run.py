@@ -9,6 +9,7 @@ import click
 import torch
 
 from lookahead.cli.options import check_head, open_datastore
+from lookahead.cli.streaming import PipedStreamer, ReaderGone
 from lookahead.config import LookaheadConfig
 from lookahead.hf import Lookahead
 from lookahead.models import ModelLoadError, load_draft, load_model
@@ -20,8 +21,6 @@ def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: 
     """Generate (greedy, or sampled per `sampling` kwargs), streaming to stdout; `draft` is the
     `options.draft_choice`, `placement` the `options.placement_kwargs` (under tensor parallelism only rank 0
     prints), `datastore` the --datastore paths and token bound. Errors become one-line `click.ClickException`s."""
-    from transformers import TextStreamer
-
     try:
         model, tokenizer = load_model(model_path, **(placement or {}))
     except (ModelLoadError, ValueError) as exc:
@@ -37,12 +36,16 @@ def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: 
     shared = open_datastore(paths, tokenizer, max_tokens)
     decoder = Lookahead(config, draft_model=draft_model, shared_drafter=shared)
     speaks = int(os.environ.get("RANK", "0")) == 0  # tensor-parallel ranks compute alike; rank 0 prints
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if speaks else None
+    streamer = PipedStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if speaks else None
     try:
         output = model.generate(input_ids, max_new_tokens=max_new_tokens, custom_generate=decoder,
                                 lookahead_streamer=streamer, **sampling)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
+    except ReaderGone:
+        if stats:
+            click.echo(f"[lookahead] stopped when the output's reader closed it; {decoder.last_stats.summary()}", err=True)
+        return
     if stats and speaks:
         click.echo(f"[lookahead] {decoder.last_stats.summary()}", err=True)
     if compare:  # with greedy decoding only (`main.generate` refuses --compare --sample)

@@ -18,7 +18,7 @@ from lookahead.cli.distilled import distill_options, distilled_texts, model_for,
               help="Train on from this head file (made for the same model; its sizes and output tokens are kept).")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True,
               help="Peak learning rate of the one-cycle schedule (train on from --init with a smaller one, 3e-4).")
-def train_head(out, model_path, sequences, epochs, vocab_size, batch, data, init, lr, seed) -> None:
+def train_head(out, model_path, sequences, epochs, vocab_size, batch, distill_dtype, data, init, lr, seed) -> None:
     """Distill texts from the model itself, fit a draft head on them and write it to OUT (.safetensors). Pass it
     with `lookahead generate --draft-head OUT`; heads shipped in lookahead/heads/ are found automatically."""
     model, tokenizer = model_for(out, model_path)
@@ -29,7 +29,7 @@ def train_head(out, model_path, sequences, epochs, vocab_size, batch, data, init
         start = None if init is None else read_head(init, model)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--init") from None
-    examples = distilled_texts(model, tokenizer, data, sequences, batch, seed)
+    examples = distilled_texts(model, tokenizer, data, sequences, batch, seed, distill_dtype)
     net, vocab, result = fit(examples, model.get_input_embeddings().weight, vocab_size=vocab_size, epochs=epochs,
                              lr=lr, seed=seed, start=start, progress=report)
     how = (f"lookahead train-head: {len(examples)} self-distilled texts ({result['positions']} positions), "

@@ -70,12 +70,14 @@ class Decoder:
     def run(self) -> torch.Tensor:
         """Generate until every sequence is done; returns [B, L + new] token ids (on the input's device)."""
         start = time.perf_counter()
-        with hidden_tap(self.model, self.request.draft_head is not None) as tap:
-            self.tap = tap
-            self._prefill()
-            while self.active:
-                self._step()
-        self.stats.total_time = time.perf_counter() - start
+        try:
+            with hidden_tap(self.model, self.request.draft_head is not None) as tap:
+                self.tap = tap
+                self._prefill()
+                while self.active:
+                    self._step()
+        finally:  # an interrupted run's stats (a streamer that raised, Ctrl-C) hold its time so far
+            self.stats.total_time = time.perf_counter() - start
         if self.request.streamer is not None:
             self.request.streamer.end()
         return self._output()

@@ -18,6 +18,7 @@ import torch
 
 from .recycle import _top_k
 from .streamed_gemm import StreamedWeight, _call_address, _kernel_address, vector_width
+from .thread_governor import numba_threads
 
 
 class CompiledHead:
@@ -44,7 +45,7 @@ class CompiledHead:
         """The `k` best output rows (indices into the head's output vocabulary, best first) and their softmax
         probabilities, for `hidden` [size] and the root's `embedding` [size] (float32)."""
         rows, probs = np.empty(k, np.int64), np.empty(k, np.float32)
-        threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        threads = numba_threads(torch.get_num_threads())
         _forward(self.address, self.panels, self.blocks, self.widths, self.outputs, self.scales[0], self.scales[1],
                  self.scales[2], self.scales[3], self.fc_bias, self.norm, self.eps, hidden, embedding,
                  vector_width(), threads, rows, probs)

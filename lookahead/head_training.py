@@ -60,9 +60,13 @@ def user_turn_prefix(tokenizer) -> str:
 
 def distill(model, tokenizer, sequences: int, seed: int = 0, batch: int = 32, user_tokens: int = 64,
             answer_tokens: int = 128, passage_tokens: int = 160, kinds: tuple[str, ...] = KINDS,
-            progress: Callable[[str], None] | None = None) -> list[Example]:
+            progress: Callable[[str], None] | None = None, dtype: torch.dtype | None = None) -> list[Example]:
     """At least `sequences` texts written by `model` itself (see the module docstring), batch by batch; `kinds`
-    the batches' kinds in turn ("chat", "plain", "grounded"). Raises `ValueError` for another kind."""
+    the batches' kinds in turn ("chat", "plain", "grounded"). `dtype`: a copy of the model in this dtype writes and
+    reads the texts instead (None: the model as it is), by plain `generate`; bfloat16 writes the default model's
+    texts ~2.5x faster than float32 lookahead on a CPU with AMX, and its labels agree with float32's argmax at ~98%
+    of positions (a head only proposes: a wrong label costs hits, never tokens). Raises `ValueError` for another
+    kind."""
     from .hf import Lookahead
     from .config import LookaheadConfig
 
@@ -75,7 +79,11 @@ def distill(model, tokenizer, sequences: int, seed: int = 0, batch: int = 32, us
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token else tokenizer.convert_ids_to_tokens(0)
     tokenizer.padding_side = "left"
-    writer = _Writer(model, tokenizer, end, tokenizer.pad_token_id, Lookahead(LookaheadConfig.off()), Lookahead())
+    if dtype is None or dtype == model.dtype:
+        writer = _Writer(model, tokenizer, end, tokenizer.pad_token_id, Lookahead(LookaheadConfig.off()), Lookahead())
+    else:
+        model = copy.deepcopy(model).to(dtype)
+        writer = _Writer(model, tokenizer, end, tokenizer.pad_token_id, None, None)
     prefix, examples, start = user_turn_prefix(tokenizer), [], time.perf_counter()
     round_ = 0
     while len(examples) < sequences:
@@ -102,14 +110,15 @@ def distill(model, tokenizer, sequences: int, seed: int = 0, batch: int = 32, us
 
 @dataclass
 class _Writer:
-    """The model writing text for `distill`: `sample` decodes with T = 1, `greedy` answers; `end` / `pad` token ids."""
+    """The model writing text for `distill`: `sample` decodes with T = 1, `greedy` answers (the `custom_generate`
+    of each; None: `generate`'s own); `end` / `pad` token ids."""
 
     model: nn.Module
     tokenizer: object
     end: int | None
     pad: int
-    sample: Callable
-    greedy: Callable
+    sample: Callable | None
+    greedy: Callable | None
 
     def sampled(self, prompts: list[str], tokens: int, keep_prompt: bool = False) -> list:
         """Texts the model samples (T = 1) after each of `prompts`: decoded strings, or the prompt and sample's

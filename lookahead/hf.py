@@ -72,7 +72,7 @@ class Lookahead:
     the measured curve, and the plan then follows it alone, never the generation's own step timings: the same
     inputs give the same steps on any machine (`benchmarks/bench_drafts.py` compares drafting this way).
     Batches of left-padded prompts are decoded sequence by sequence exactly as plain batched `generate`.
-    After each call `last_stats` holds a `DecodeStats`. A streamer is passed as `lookahead_streamer=` (HF does
+    After each call `last_stats` holds its `DecodeStats` (an interrupted call's: what it did until then). A streamer is passed as `lookahead_streamer=` (HF does
     not forward `streamer=` to a callable; `lookahead.patch` reroutes it automatically).
     """
 
@@ -139,13 +139,14 @@ class Lookahead:
                                 uncached=_uncached_length(model, input_ids, generation_config, model_kwargs),
                                 threads=self._threads(model))
         decoder = Decoder(model, self.config, request)
+        self.last_stats = decoder.stats  # this call's, also when it is interrupted
         with (argmax_logits(model, self.config.argmax_head and _argmax_only(request)) as argmax,
               decoder.governed_threads()):
-            setup = build_layouts(model, argmax, batch * self.config.step_rows)
-            sequences = decoder.run()
-        decoder.stats.setup_time = setup
-        decoder.stats.total_time += setup  # the whole call's time
-        self.last_stats = decoder.stats
+            decoder.stats.setup_time = build_layouts(model, argmax, batch * self.config.step_rows)
+            try:
+                sequences = decoder.run()
+            finally:
+                decoder.stats.total_time += decoder.stats.setup_time  # the whole call's time
         if not generation_config.return_dict_in_generate:
             return sequences
         scores, logits = decoder.step_outputs(sequences) if request.record_scores else (None, None)

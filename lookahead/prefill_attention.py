@@ -33,6 +33,7 @@ from numba.extending import intrinsic
 
 from . import streamed_gemm
 from .compiled_ir import call_codegen, compiled_addresses, host_features
+from .thread_governor import numba_threads
 from .vector_ir import LANES, NEGATIVE_INFINITY, VEC, splat, splat_const, vector_declarations
 
 ROWS = 4  # query rows of one tile
@@ -92,7 +93,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     values[:, :slots] = value[0]
     q = query[0].contiguous()
     out = torch.empty(1, rows, heads, size)
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    threads = numba_threads(torch.get_num_threads())
     _launch(_address(size), q.data_ptr(), keys_t.data_ptr(), values.data_ptr(), out.data_ptr(), heads,
             heads // kv_heads, rows, slots - rows, padded, size, float(scale), ROWS, threads)
     return out

@@ -48,6 +48,7 @@ from numba.extending import intrinsic
 
 from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS, affine_kernel_ir, panel_passes, store_sums
 from .compiled_ir import call_codegen, compiled_addresses, host_features
+from .thread_governor import numba_threads
 
 # Weight vectors prefetched ahead: 4 KB with AVX-512 (measured: 4–32 too close, 128–256 no better, 512 worse). A
 # prefetch past the end of the panels is harmless (x86 prefetches never fault).
@@ -198,7 +199,7 @@ def product(x: torch.Tensor, weight: StreamedWeight) -> torch.Tensor:
     x = x.contiguous()
     xt = x if rows == 1 else torch.empty(k, rows, dtype=torch.float32)  # [K, M]: step k's inputs side by side
     out = torch.empty(rows, n, dtype=torch.float32)
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, blocks))
+    threads = min(numba_threads(torch.get_num_threads()), blocks)
     address, transpose = _kernel_address(weight.kind)
     _launch(address, transpose, rows, x.data_ptr(), xt.data_ptr(), panels.data_ptr(), out.data_ptr(), k, n, blocks,
             threads)

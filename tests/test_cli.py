@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,6 +42,19 @@ def test_generate_streams_plain_greedy_text(tiny_folder):
     plain = model.generate(ids, max_new_tokens=24, do_sample=False)
     expected = tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True)
     assert result.stdout.strip() == expected.strip()
+
+
+def test_generate_stops_quietly_when_the_reader_of_its_output_is_gone(tiny_folder):
+    """`lookahead generate ... | head`: the pipe's reader exits; the command stops, says so with its stats, status 0."""
+    folder, _, _ = tiny_folder
+    command = [sys.executable, "-m", "lookahead.cli", "generate", "def fibonacci(n):", "--model", str(folder),
+               "--max-new-tokens", "64", "--stats", "--mode", "off"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()  # gone before the first token is printed
+    stderr = process.stderr.read()
+    assert process.wait(timeout=300) == 0, stderr
+    assert "stopped when the output's reader closed it" in stderr and "tokens/step" in stderr
+    assert "Traceback" not in stderr and "Broken pipe" not in stderr
 
 
 def test_generate_reads_stdin_and_reports_stats_and_comparison(tiny_folder):
@@ -331,7 +346,7 @@ def test_build_prior_writes_a_prior_that_generate_uses(tiny_folder, tmp_path):
     out, data = tmp_path / "tiny-prior.safetensors", tmp_path / "texts.pt"
     args = ["build-prior", str(out), "--model", str(folder), "--sequences", "4", "--batch", "2", "--data", str(data),
             "--min-count", "1"]
-    result = CliRunner().invoke(main, args)
+    result = CliRunner().invoke(main, args + ["--distill-dtype", "bfloat16"])  # texts written by a bfloat16 copy
     assert result.exit_code == 0, result.output
     assert "distilled" in result.stderr and "rows" in result.output and out.is_file() and data.is_file()
     again = CliRunner().invoke(main, args + ["--k", "2"])  # the texts are read back
@@ -358,6 +373,8 @@ def test_build_prior_writes_a_prior_that_generate_uses(tiny_folder, tmp_path):
 def test_train_head_refuses_a_missing_output_folder(tmp_path):
     result = CliRunner().invoke(main, ["train-head", str(tmp_path / "no" / "head.safetensors")])
     assert result.exit_code != 0 and "does not exist" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["train-head", str(tmp_path / "head.safetensors"), "--distill-dtype", "half"])
+    assert result.exit_code == 2 and "'half' is not one of 'bfloat16', 'float32'" in result.output
 
 
 def test_train_head_refuses_an_init_head_of_another_model(tiny_folder, tmp_path):

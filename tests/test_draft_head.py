@@ -4,6 +4,8 @@ identical) while its drafts are accepted."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -220,6 +222,22 @@ def test_distill_writes_the_models_own_greedy_text():
         assert len(user) >= 1 + 1 + len(request)  # the passage: its opening (unknown here) and what was sampled
     with pytest.raises(ValueError, match="kinds"):
         distill(model, tokenizer, sequences=2, kinds=("poems",))
+
+
+def test_distill_in_another_dtype_labels_with_that_copy_and_leaves_the_model_alone():
+    """`dtype`: a bfloat16 copy writes the texts (its own greedy answers) and gives the labels and hidden states."""
+    model = build_tiny_model("llama", dtype=torch.float32, seed=6, vocab=VOCAB)
+    tokenizer = word_tokenizer(VOCAB)
+    tokenizer.eos_token = "w2"
+    examples = distill(model, tokenizer, sequences=4, batch=2, user_tokens=6, answer_tokens=8, passage_tokens=5,
+                       kinds=("chat", "plain"), dtype=torch.bfloat16)
+    assert model.dtype == torch.float32 and len(examples) == 4
+    copy16 = copy.deepcopy(model).to(torch.bfloat16)
+    for example in examples:
+        with torch.no_grad(), hidden_tap(copy16) as tap:
+            argmax = copy16(example.ids[None]).logits[0].argmax(-1)
+            hidden = tap.last()[0].to(torch.float16)
+        assert torch.equal(example.argmax, argmax) and torch.equal(example.hidden, hidden)
 
 
 def test_headnet_starts_as_the_fc_alone():

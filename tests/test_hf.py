@@ -169,6 +169,37 @@ def test_generations_on_one_model_from_several_threads_run_one_at_a_time(model, 
     assert most[0] == 1
 
 
+class _Interrupting(BaseStreamer):
+    """A streamer that raises once `after` tokens were generated (as a reader that closed its pipe does)."""
+
+    def __init__(self, after: int):
+        self.after, self.seen, self.prompt_seen = after, 0, False
+
+    def put(self, value):
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.seen += value.numel()
+        if self.seen >= self.after:
+            raise KeyboardInterrupt
+
+    def end(self):
+        pass
+
+
+def test_an_interrupted_call_leaves_its_own_stats(model):
+    """`last_stats` after a call a streamer interrupted: that call's tokens and time so far, not the last call's."""
+    decoder, prompt = Lookahead(), repetitive_prompt(1)
+    model.generate(prompt, max_new_tokens=40, do_sample=False, custom_generate=decoder)
+    finished = decoder.last_stats
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(prompt, max_new_tokens=40, do_sample=False, custom_generate=decoder,
+                       lookahead_streamer=_Interrupting(after=5))
+    stats = decoder.last_stats
+    assert stats is not finished and 0 < stats.new_tokens < finished.new_tokens
+    assert stats.total_time >= stats.setup_time + stats.prefill_time > 0
+
+
 def test_streamer_with_a_batch_is_refused(model):
     batch = torch.cat([repetitive_prompt(0), repetitive_prompt(1)])
     with pytest.raises(ValueError, match="streamer needs batch size 1"):
