@@ -9,6 +9,7 @@ lookahead, transformers and tqdm are imported inside functions only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -103,6 +104,7 @@ def parse_overrides(pairs: list[str]) -> dict:
     from lookahead import LookaheadConfig
 
     defaults = LookaheadConfig().as_dict()
+    annotations = {f.name: str(f.type) for f in dataclasses.fields(LookaheadConfig)}
     overrides = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
@@ -111,7 +113,9 @@ def parse_overrides(pairs: list[str]) -> dict:
             raise ValueError(f"--config expects key=value, got {pair!r}")
         if name not in defaults:
             raise ValueError(f"unknown lookahead option {name!r}; valid options: {sorted(defaults)}")
-        kind = int if defaults[name] is None else type(defaults[name])  # None-default fields are ints (seed)
+        # a None default takes its annotation's type: `str | None` (draft_head) a string, `int | None` (seed) an int
+        kind = type(defaults[name]) if defaults[name] is not None else \
+            str if annotations[name].startswith("str") else int
         overrides[name] = _parse_value(name, value, kind)
     return overrides
 

@@ -46,6 +46,10 @@ def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: 
         if stats:
             click.echo(f"[lookahead] stopped when the output's reader closed it; {decoder.last_stats.summary()}", err=True)
         return
+    except KeyboardInterrupt:  # `main` then says so and exits 130
+        if stats and speaks and decoder.last_stats is not None:
+            click.echo(f"\n[lookahead] {decoder.last_stats.summary()}", err=True)
+        raise
     if stats and speaks:
         click.echo(f"[lookahead] {decoder.last_stats.summary()}", err=True)
     if compare:  # with greedy decoding only (`main.generate` refuses --compare --sample)

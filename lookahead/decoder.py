@@ -127,10 +127,10 @@ class Decoder:
             tokens = sequence.commit([sequence.first_token(logits[first])], request.max_length, self.cut_at_stop)
             sequence.drafters.observe(sequence.ids[: sequence.length])
             sequence.drafters.observe_hidden(None if hidden is None else hidden[first])
-            self._stream(tokens)
             self.sequences.append(sequence)
-        self.stats.prefill_time = time.perf_counter() - t0
-        self.stats.new_tokens += len(prompts)
+            self.stats.new_tokens += 1
+            self.stats.prefill_time = time.perf_counter() - t0
+            self._stream(tokens)  # counted first: a streamer that raises leaves stats of what it was sent
         self.active = list(range(len(prompts)))
         self._retire()
 
@@ -152,18 +152,18 @@ class Decoder:
         limit = self._limit()
         steps = [self._verify(step, logits[b, : inputs.n_tree[b]], limit) for b, step in enumerate(steps)]
         slots = keep_rows_batched(self.cache, self.prefix_len, [s.kept_nodes for s in steps])
+        self.stats.draft_time += t1 - t0
+        self.stats.forward_time += t2 - t1
         for b, step in enumerate(steps):
             window_logits = logits[b, inputs.n_tree[b]:] if step.use_window else None
             if hidden is not None:  # the row that chose the next root
                 step.sequence.drafters.observe_hidden(hidden[b, step.kept_nodes[-1]].clone())
             step.sequence.advance(step.committed, step.use_window, window_logits, self.prefix_len, slots)
-            self._stream(step.committed)
             self.stats.record_step(len(step.committed), inputs.input_ids.shape[1],
                                    step.sequence.accepted_sources(step.tree, step.verdict, len(step.committed)))
+            self._stream(step.committed)
         self.prefix_len += slots
         self._retire()
-        self.stats.draft_time += t1 - t0
-        self.stats.forward_time += t2 - t1
         if not probe:  # a probe's one step on all threads says nothing of the steps around it
             self.batch_planner.record(inputs.input_ids.shape[1], t2 - t1)
         if self.threads.record(inputs.input_ids.shape[1], t2 - t1):

@@ -165,6 +165,7 @@ def test_long_code_prompts_are_files_of_finished_functions_then_one_to_complete(
 @pytest.mark.parametrize(("pairs", "expected"), [
     (["window_levels=3"], {"window_levels": 3}),
     (["pool_from_text=false", "tree_budget = 32"], {"pool_from_text": False, "tree_budget": 32}),
+    (["draft_head=my-head.safetensors", "seed=3"], {"draft_head": "my-head.safetensors", "seed": 3}),  # None defaults
 ])
 def test_parse_overrides(pairs, expected):
     assert harness.parse_overrides(pairs) == expected

@@ -57,6 +57,21 @@ def test_generate_stops_quietly_when_the_reader_of_its_output_is_gone(tiny_folde
     assert "Traceback" not in stderr and "Broken pipe" not in stderr
 
 
+def test_generate_interrupted_reports_its_stats_so_far(tiny_folder, monkeypatch):
+    """Ctrl-C while tokens stream: the --stats line of what was done (the first token: the interrupted print's),
+    then the one-line notice and status 130."""
+    from lookahead.cli import streaming
+
+    def interrupt(self, text, stream_end=False):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(streaming.PipedStreamer, "on_finalized_text", interrupt)
+    folder, _, _ = tiny_folder
+    result = _run("def fibonacci(n):", "--model", str(folder), "--max-new-tokens", "64", "--stats")
+    assert result.exit_code == 130 and result.stderr.endswith("\nlookahead: interrupted\n")
+    assert "[lookahead] 1 tokens in " in result.stderr and "Traceback" not in result.output
+
+
 def test_generate_reads_stdin_and_reports_stats_and_comparison(tiny_folder):
     folder, _, _ = tiny_folder
     result = _run("--model", str(folder), "--max-new-tokens", "16", "--stats", "--compare",
