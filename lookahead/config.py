@@ -67,7 +67,7 @@ class LookaheadConfig:
     `attention`: "auto" attends with the `lookahead_tree` backend (`attention.py`) during generation when the
     model uses SDPA (CPU: grouped-query SDPA without copying key/value heads; CUDA: the Triton tree kernel for
     verification steps); "sdpa" keeps the model's own attention; "triton" forces the backend (CUDA only).
-    `adapt_threads` (with a measured cost curve that the plan follows, batch size 1): while other processes hold
+    `adapt_threads` (with a measured cost curve that the plan follows; batches too): while other processes hold
     the cores, steps run on half the threads (one on two cores), and on all again once the cores are free
     (`thread_governor.py`; `benchmarks/bench_busy.py`, 2-core Intel Xeon, session 50: 48 tokens beside one busy
     process took 10.8 s on two fixed threads, 1.42 s governed, 0.53 s on the idle machine).

@@ -83,11 +83,12 @@ class Decoder:
         return self._output()
 
     def governed_threads(self):
-        """A context within which the generation's thread count is governed (`ThreadGovernor.running`: the request's
-        governor at batch size 1; otherwise the caller's count, numba's following torch's); wrap `run` (and the
-        set-up before it) in it."""
-        governed = self.request.threads is not None and self.request.input_ids.shape[0] == 1
-        return self.threads.running(self.request.cost_curve, governed)
+        """A context within which the generation's thread count is governed (`ThreadGovernor.running`, a batch's
+        steps judged by its batch's cost curve; without a governor the caller's count, numba's following torch's);
+        wrap `run` (and the set-up before it) in it."""
+        request = self.request
+        curve = request.batch_cost_curve if request.input_ids.shape[0] > 1 else request.cost_curve
+        return self.threads.running(curve, request.threads is not None)
 
     def step_outputs(self, sequences: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """(scores, logits) of every generated position of `sequences` (what `run()` returned), one [B, V] tensor
@@ -168,7 +169,7 @@ class Decoder:
             self.batch_planner.record(inputs.input_ids.shape[1], t2 - t1)
         if self.threads.record(inputs.input_ids.shape[1], t2 - t1):
             self.batch_planner.forget_timings()
-        self.stats.fewer_threads_steps += int(reduced)
+        self.stats.fewer_threads_steps += len(steps) if reduced else 0  # counted per sequence, as `steps` is
         end = time.perf_counter()
         self.stats.verify_time += end - t2
         self.rest.record(drafted, len(steps[0].committed), end - t0, t2 - t1, self.batch_planner.observed.plain_seconds)

@@ -8,7 +8,7 @@ lookahead, 64 tokens, 0.42 s idle → 4.3–6.0 s on 2 threads, 6.7 s with torch
 0.61 s with both on one.
 
 `ThreadGovernor` (one per model, `governor_for`) watches each step's forward time, normalised by the cost curve's
-ratio for its row count. After `STREAK` steps in a row slower than `SLOW` times the expected time (the curve's
+ratio for its row count (a batch's by its batch size's curve, each batch size with its own unhindered time). After `STREAK` steps in a row slower than `SLOW` times the expected time (the curve's
 one-row time, or the fastest normalised step it saw), it halves torch's and numba's thread count (on two cores: one
 thread), and halves it again while the steps stay that slow at the new count; from then on, every `FIRST_PROBE`
 seconds (doubling after each probe that loses, up to `LAST_PROBE`) one step runs on all threads again, and the
@@ -63,7 +63,8 @@ class ThreadGovernor:
         self.count = 1  # the count of the steps while reduced
         self.reduced = False  # on fewer threads because other processes held the cores
         self.probing = False  # the running step is a probe on all threads
-        self.expected: float | None = None  # seconds of an unhindered full-thread step per unit of curve ratio
+        self.unhindered: dict[int, float] = {}  # per batch size: seconds of an unhindered full-thread step per unit
+        # of its curve's ratio
         self.reduced_time: float | None = None  # running normalised time of the steps on `count` threads
         self.streak, self.interval, self.since = 0, FIRST_PROBE, 0.0
         self.curve: CostCurve | None = None
@@ -75,11 +76,12 @@ class ThreadGovernor:
         this thread's numba count are back."""
         full, numba_before = torch.get_num_threads(), numba.get_num_threads()
         if full != self.full:  # the caller changed its count: start over from it
-            self.full, self.reduced, self.count, self.expected = full, False, full, None
+            self.full, self.reduced, self.count, self.unhindered = full, False, full, {}
         self.curve = curve if enabled and full > 1 else None
-        if self.curve is not None and self.expected is None:  # the first governed generation
-            self.expected = curve.base_seconds
-            if (self.busy_elsewhere() or 0.0) >= BUSY_CORES:
+        if self.curve is not None and curve.batch not in self.unhindered:  # the first generation of this batch size
+            first = not self.unhindered
+            self.unhindered[curve.batch] = curve.base_seconds
+            if first and (self.busy_elsewhere() or 0.0) >= BUSY_CORES:
                 self._reduce()
         self.probing = False
         set_threads(self.count if self.curve is not None and self.reduced else full)
@@ -92,6 +94,16 @@ class ThreadGovernor:
     def busy_elsewhere(self) -> float | None:
         """Cores other processes kept busy since lookahead was imported (`cpu_load.busy_elsewhere`)."""
         return cpu_load.busy_elsewhere(cpu_load.START, cpu_load.sample())
+
+    @property
+    def expected(self) -> float:
+        """Seconds of an unhindered full-thread step per unit of curve ratio at the running generation's batch size
+        (its curve's one-row time, or the fastest normalised step seen at that size)."""
+        return self.unhindered[self.curve.batch]
+
+    @expected.setter
+    def expected(self, seconds: float) -> None:
+        self.unhindered[self.curve.batch] = seconds
 
     @property
     def reduced_now(self) -> bool:

@@ -226,6 +226,30 @@ def test_batch_benchmark_runs_and_checks_identity(tiny_model):
     assert table.count("\n| ") == 4
 
 
+def test_batch_benchmark_times_its_runs_inside_during_after_the_warm_up(tiny_model, monkeypatch):
+    """`--busy`: the busy processes run through the timed repetitions only (the warm-up measures the cost curves)."""
+    import contextlib
+
+    import bench_batch
+
+    model, events = tiny_model("llama", dtype=torch.float64, seed=0), []
+    generate = bench_batch._generate
+    monkeypatch.setattr(bench_batch, "_generate", lambda *a, **k: events.append("run") or generate(*a, **k))
+
+    @contextlib.contextmanager
+    def during():
+        events.append("busy")
+        yield
+        events.append("idle")
+
+    out = bench_batch.run_batches(model, word_tokenizer(), PROMPTS * 2, [2], 1, 6, LookaheadConfig(), progress=False,
+                                  during=during)
+    assert events == ["run", "run", "busy", "run", "run", "idle"]  # warm-up of both methods, then 1 group x 2
+    assert out["summary"]["2"]["lookahead"]["fewer_threads_steps"] == 0  # conftest's governor: an idle machine
+    table = bench_batch.format_table({"command": "python x", "busy_processes": 1, **out})
+    assert "beside 1 busy processes" in table and "steps on fewer threads" in table
+
+
 def test_batch_benchmark_samples_with_sample(tiny_model):
     import bench_batch
 

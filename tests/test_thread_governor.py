@@ -160,6 +160,44 @@ def test_outputs_do_not_depend_on_thread_switches(two_threads, monkeypatch, fami
     assert _threads() == (2, numba_threads(2))
 
 
+@pytest.mark.parametrize("sample", [False, True])
+def test_batch_outputs_do_not_depend_on_thread_switches(two_threads, monkeypatch, sample):
+    """A batch is governed too (judged by its batch's cost curve); each row is plain batched `generate`'s."""
+    from test_batch import padded_batch
+
+    model = tiny_model("llama", dtype=torch.float64, seed=2)
+    governor = Flipping()
+    monkeypatch.setattr(hf, "governor_for", lambda m: governor)
+    ids, mask = padded_batch()
+    kwargs = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=30, do_sample=sample,
+                  **({"temperature": 0.8} if sample else {}))
+    if sample:
+        plain = model.generate(ids, custom_generate=Lookahead(LookaheadConfig.off(), seed=7), **kwargs)
+    else:
+        plain = model.generate(ids, **kwargs)
+    decoder = Lookahead(seed=7) if sample else Lookahead()
+    assert torch.equal(plain, model.generate(ids, custom_generate=decoder, **kwargs))
+    assert governor.counts == {1, 2} and governor.curve.batch == len(ids)
+    assert 0 < decoder.last_stats.fewer_threads_steps < decoder.last_stats.steps
+    assert _threads() == (2, numba_threads(2))
+
+
+def test_each_batch_size_is_judged_by_its_own_unhindered_time(two_threads):
+    """A batch's step costs more than one sequence's; after batch-1 generations it must not look held up."""
+    governor, batch = Quiet(Clock()), CostCurve(CURVE.sizes, CURVE.ratios, 3 * CURVE.base_seconds, batch=8)
+    with governor.running(CURVE, enabled=True):
+        governor.record(1, FAST)
+    with governor.running(batch, enabled=True):
+        for _ in range(2 * STREAK):
+            governor.record(1, 3 * FAST)  # its curve's one-row time: unhindered
+        assert not governor.reduced_now and governor.expected == 3 * FAST
+        for _ in range(STREAK):
+            governor.record(1, 3 * FAST * SLOW * 1.5)  # held up at this size
+        assert governor.reduced_now
+    with governor.running(CURVE, enabled=True):
+        assert governor.unhindered[1] == FAST
+
+
 def test_the_planner_forgets_its_timed_steps_when_the_thread_count_changes():
     """After a switch the next planned step is a plain one again: the reference time at the new thread count."""
     from lookahead.budget import BatchPlanner
