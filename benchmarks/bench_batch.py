@@ -142,7 +142,8 @@ def format_table(result: dict) -> str:
     label = "HF sampling" if sampled else "HF greedy"
     busy = f"; beside {result['busy_processes']} busy processes" if result.get("busy_processes") else ""
     lines = [f"Command: `{result['command']}`{busy}", "",
-             f"| batch | {label} tok/s | lookahead tok/s | speedup | tokens/step per sequence | steps on fewer threads |"
+             f"| batch | {label} tok/s | lookahead tok/s | speedup | tokens/step per sequence | "
+             "steps on fewer threads |"
              + ("" if sampled else " identical |"), "|---:|---:|---:|---:|---:|---:|" + ("" if sampled else "---:|")]
     for size, entry in result["summary"].items():
         ours = entry[ours_name]

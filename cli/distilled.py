@@ -54,8 +54,8 @@ def model_for(out: str, model_path: str | None):
 def distilled_texts(model, tokenizer, data: str | None, sequences: int, batch: int, seed: int,
                     dtype: str | None = None) -> list:
     """The texts in the file `data` when it exists, else `sequences` texts distilled from the model (written in
-    `dtype`, a name in `DTYPES`, when given; kept in `data` when given); progress on stderr. Raises `click.ClickException` for an unreadable file or a model
-    that cannot write them."""
+    `dtype`, a name in `DTYPES`, when given; kept in `data` when given); progress on stderr. Raises
+    `click.ClickException` for an unreadable file or a model that cannot write them."""
     import torch
 
     from lookahead.head_training import distill

@@ -44,7 +44,8 @@ def run_generate(text: str, model_path: str | None, chat: bool, max_new_tokens: 
         raise click.ClickException(str(exc)) from exc
     except ReaderGone:
         if stats:
-            click.echo(f"[lookahead] stopped when the output's reader closed it; {decoder.last_stats.summary()}", err=True)
+            click.echo(f"[lookahead] stopped when the output's reader closed it; {decoder.last_stats.summary()}",
+                       err=True)
         return
     except KeyboardInterrupt:  # `main` then says so and exits 130
         if stats and speaks and decoder.last_stats is not None:

@@ -72,8 +72,9 @@ class Lookahead:
     the measured curve, and the plan then follows it alone, never the generation's own step timings: the same
     inputs give the same steps on any machine (`benchmarks/bench_drafts.py` compares drafting this way).
     Batches of left-padded prompts are decoded sequence by sequence exactly as plain batched `generate`.
-    After each call `last_stats` holds its `DecodeStats` (an interrupted call's: what it did until then). A streamer is passed as `lookahead_streamer=` (HF does
-    not forward `streamer=` to a callable; `lookahead.patch` reroutes it automatically).
+    After each call `last_stats` holds its `DecodeStats` (an interrupted call's: what it did until then). A streamer is
+    passed as `lookahead_streamer=` (HF does not forward `streamer=` to a callable; `lookahead.patch` reroutes it
+    automatically).
     """
 
     def __init__(self, config: LookaheadConfig | None = None, shared_drafter=None, draft_model=None,

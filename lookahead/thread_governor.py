@@ -7,16 +7,17 @@ one busy-looping process beside the run: plain HF greedy, 32 tokens, 1.2 s idle 
 lookahead, 64 tokens, 0.42 s idle → 4.3–6.0 s on 2 threads, 6.7 s with torch on one thread but numba on two,
 0.61 s with both on one.
 
-`ThreadGovernor` (one per model, `governor_for`) watches each step's forward time, normalised by the cost curve's
-ratio for its row count (a batch's by its batch size's curve, each batch size with its own unhindered time). After `STREAK` steps in a row slower than `SLOW` times the expected time (the curve's
-one-row time, or the fastest normalised step it saw), it halves torch's and numba's thread count (on two cores: one
-thread), and halves it again while the steps stay that slow at the new count; from then on, every `FIRST_PROBE`
-seconds (doubling after each probe that loses, up to `LAST_PROBE`) one step runs on all threads again, and the
-governor stays there when that step was clearly faster than the reduced steps. A model's first generation starts
-halved when other processes kept `BUSY_CORES` cores busy while this one imported lookahead and loaded its model
-(`cpu_load.py`), so that the set-up and the prefill are spared too. Outputs do not depend on it: the tokens are the
-rule's, whatever the thread count (tested by scripting the switches). Measured on 2 cores only: halving rather than
-dropping to one thread is for machines with many cores, where one busy process takes one core of many.
+`ThreadGovernor` (one per model, `governor_for`) watches each step's forward time, normalised by the cost curve's ratio
+for its row count (a batch's by its batch size's curve, each batch size with its own unhindered time). After `STREAK`
+steps in a row slower than `SLOW` times the expected time (the curve's one-row time, or the fastest normalised step it
+saw), it halves torch's and numba's thread count (on two cores: one thread), and halves it again while the steps stay
+that slow at the new count; from then on, every `FIRST_PROBE` seconds (doubling after each probe that loses, up to
+`LAST_PROBE`) one step runs on all threads again, and the governor stays there when that step was clearly faster than
+the reduced steps. A model's first generation starts halved when other processes kept `BUSY_CORES` cores busy while this
+one imported lookahead and loaded its model (`cpu_load.py`), so that the set-up and the prefill are spared too. Outputs
+do not depend on it: the tokens are the rule's, whatever the thread count (tested by scripting the switches). Measured
+on 2 cores only: halving rather than dropping to one thread is for machines with many cores, where one busy process
+takes one core of many.
 """
 
 from __future__ import annotations
