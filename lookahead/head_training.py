@@ -63,10 +63,10 @@ def distill(model, tokenizer, sequences: int, seed: int = 0, batch: int = 32, us
             progress: Callable[[str], None] | None = None, dtype: torch.dtype | None = None) -> list[Example]:
     """At least `sequences` texts written by `model` itself (see the module docstring), batch by batch; `kinds`
     the batches' kinds in turn ("chat", "plain", "grounded"). `dtype`: a copy of the model in this dtype writes and
-    reads the texts instead (None: the model as it is), by plain `generate`; bfloat16 writes the default model's
-    texts ~2.5x faster than float32 lookahead on a CPU with AMX, and its labels agree with float32's argmax at ~98%
-    of positions (a head only proposes: a wrong label costs hits, never tokens). Raises `ValueError` for another
-    kind."""
+    reads the texts instead (None: the model as it is), by plain `generate`. On the 2-core Intel Xeon with AMX
+    (session 51), batched greedy of the default model: 362 tokens/s in bfloat16 against 213 in float32 at 32 texts,
+    540 at 128; bfloat16's labels agreed with float32's argmax at 98.4% of positions (a head only proposes: a wrong
+    label costs hits, never tokens). Raises `ValueError` for another kind."""
     from .hf import Lookahead
     from .config import LookaheadConfig
 
