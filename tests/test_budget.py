@@ -12,10 +12,11 @@ from tiny_models import build_tiny_model
 
 from lookahead import budget
 from lookahead.budget import AcceptanceRates, StepPlanner, best_chain_length, best_row_count
-from lookahead.cost_curve import CostCurve
+from lookahead.cost_curve import CostCurve, ObservedCost
 from lookahead.drafters import DRAFT_MODEL, POOL, PROMPT, SOURCE_DRAFTER
 from lookahead.tree import DraftTree
 
+RECORD = budget.BatchPlanner.record  # as imported, before conftest's fixture wraps it
 FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.0, 1.01, 1.02, 1.05, 1.1, 1.2), 0.05)
 STEEP = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0), 0.05)
 HERE = CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.10, 1.69, 1.94, 2.77, 3.08, 2.91), 0.078)  # this CPU
@@ -192,17 +193,34 @@ def test_stats_record_the_planners_prediction_for_every_step():
     assert stats.as_dict()["mean_expected_tokens"] == pytest.approx(stats.mean_expected_tokens)
 
 
-def test_batch_planner_starts_with_a_plain_step_unless_the_draws_follow_the_plan():
+def test_batch_planner_takes_a_plain_step_after_the_first_unless_the_draws_follow_the_plan():
     tree = DraftTree.from_paths(1, [[2, 3, 4], [5, 6]], [PROMPT, POOL], budget=8)
     planner = StepPlanner(FLAT, len(SOURCE_DRAFTER), 0)
     planner.rates.tested[:], planner.rates.accepted[:] = 100.0, 90.0
     timed = budget.BatchPlanner(FLAT, None, 1, draws_follow_plan=False)
-    assert [(t.size, w) for t, w in timed.plan([planner], [tree], 256)] == [(1, False)]  # the reference time first
+    assert timed.plan([planner], [tree], 256)[0][0].size == tree.size  # the first step: on the measured curve
+    timed.record(tree.size, 0.5)  # the cold first forward after the prefill: not a reference
+    assert [(t.size, w) for t, w in timed.plan([planner], [tree], 256)] == [(1, False)]  # the reference time
     timed.record(1, 0.05)
     assert timed.plan([planner], [tree], 256)[0][0].size == tree.size
     untimed = budget.BatchPlanner(FLAT, None, 1, draws_follow_plan=True)  # random draws must not follow timings
     assert untimed.plan([planner], [tree], 256)[0][0].size == tree.size
-    batch = budget.BatchPlanner(FLAT, FLAT, 2, draws_follow_plan=True)
-    assert [t.size for t, _ in batch.plan([planner] * 2, [tree] * 2, 256)] == [1, 1]  # batches are always timed
+    batch = budget.BatchPlanner(FLAT, FLAT, 2, draws_follow_plan=True)  # batches are always timed
+    batch.record(1, 0.5)
+    assert [t.size for t, _ in batch.plan([planner] * 2, [tree] * 2, 256)] == [1, 1]
     assert budget.BatchPlanner(None, None, 1, False).plan([StepPlanner(None, len(SOURCE_DRAFTER), 0)], [tree],
                                                           256)[0][0].size == tree.size
+
+
+def test_the_cold_first_forward_is_not_the_reference_time(monkeypatch):
+    """The first forward after the prefill is slow (weights out of the caches): were it the plain reference, later
+    multi-row steps would look cheaper than one row and the correction would sit at its floor."""
+    monkeypatch.setattr(budget.BatchPlanner, "record", RECORD)  # real seconds (conftest times steps by the curve)
+    timed = budget.BatchPlanner(FLAT, None, 1, draws_follow_plan=False)
+    timed.record(1, 0.090)  # cold
+    timed.record(1, 0.055)
+    for _ in range(5):
+        timed.record(4, 0.077)  # +40% over a warm one-row step
+    assert timed.observed.plain_seconds == pytest.approx(0.055)
+    expected = (0.5 + 5 * (0.077 / 0.055 - 1)) / (0.5 + 5 * (FLAT.ratio(4) - 1))
+    assert timed.observed.scale() == pytest.approx(min(expected, ObservedCost.SCALE_RANGE[1]))
