@@ -249,6 +249,9 @@ def plan_batch(planners: list[StepPlanner], trees: list, curve: CostCurve | None
     return [planner.rank(tree).prune(best_k) for planner, tree in zip(planners, trees)]
 
 
+COLD_FORWARDS = 3  # forwards after the prefill whose times are not recorded (see `BatchPlanner`)
+
+
 class BatchPlanner:
     """The plan of every step of one generation of `batch` sequences: each running sequence's pruned tree and
     whether its window runs, from its `StepPlanner` and its candidate tree.
@@ -257,12 +260,13 @@ class BatchPlanner:
     one sequence runs; None when `batch` is 1); draws_follow_plan: the rule's random draws depend on the plan
     (`rules.draws_follow_the_plan`: unseeded sampling with a draft model). Without a curve every candidate is
     verified. The curve is taken at the current cache length and corrected by the generation's own timed steps
-    (`record`), so the second step is a plain one (the reference time) — except at batch size 1 when the draws
-    follow the plan (they must not depend on timings), and when `follow_timings` is False (a fixed curve the caller
-    chose: the plan follows it alone). The first step is planned on the measured curve and its time is not
-    recorded: the first forward after the prefill reads weights the prefill pushed out of the caches (one row
-    8–9.7 ms against 5.3–6 ms later on the 2-core Intel Xeon), and as the reference it made every later step look
-    cheap, holding the correction at its floor (docs/step-cost.md, "Session 52").
+    (`record`), so the step after the first `COLD_FORWARDS` is a plain one (the reference time) — except at batch
+    size 1 when the draws follow the plan (they must not depend on timings), and when `follow_timings` is False (a
+    fixed curve the caller chose: the plan follows it alone). The first steps are planned on the measured curve and
+    their times are not recorded: the forwards right after the prefill run slow (on the 2-core Intel Xeon the
+    suite's chat and code prompts took a median of 11.0, 8.6, 7.6, 7.0 ms for their first one-row steps against
+    ~5.5 ms later), and the first as the reference made every later step look cheap, holding the correction at its
+    floor (docs/step-cost.md, "Session 52").
     """
 
     def __init__(self, curve: CostCurve | None, batch_curve: CostCurve | None, batch: int, draws_follow_plan: bool,
@@ -272,13 +276,13 @@ class BatchPlanner:
         # followed timings: it plans on the measured curve alone (at this cache length).
         self.timed = follow_timings and not (batch == 1 and draws_follow_plan)
         self.observed = ObservedCost(batch_curve if batch > 1 else curve)
-        self.cold = True  # no forward since the prefill yet
+        self.cold = COLD_FORWARDS  # forwards still to come before timings count
 
     def record(self, rows: int, seconds: float) -> None:
-        """Add one timed forward of `rows` rows per sequence (`ObservedCost.record`); the first one after the
-        prefill (a cold one) is left out."""
+        """Add one timed forward of `rows` rows per sequence (`ObservedCost.record`); the first `COLD_FORWARDS`
+        after the prefill are left out."""
         if self.cold:
-            self.cold = False
+            self.cold -= 1
             return
         self.observed.record(rows, seconds)
 

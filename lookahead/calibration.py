@@ -22,8 +22,12 @@ from .distributed import is_leader, leader_value
 from .paths import cache_dir
 
 CURVE_QUANTILE = 0.25  # a low quantile of repeated timings: machine noise only ever adds time
+# Untimed one-row forwards before each pass: after a forward of many rows the next few one-row forwards run slow
+# (on the 2-core Intel Xeon after 24 rows: 7.1, 6.9, 6.1, 5.9, 5.7 then 5.5 ms), which made the one-row time of
+# a pass that followed the largest size high and every ratio ~15% low (docs/step-cost.md, "Session 52").
+WARM_FORWARDS = 5
 # bump when the measurement, the arithmetic or the kernels change: older cached curves are not reused
-CURVE_VERSION = 12
+CURVE_VERSION = 13
 
 
 def curve_key(model, batch: int = 1) -> str:
@@ -180,7 +184,9 @@ def _measure_at(model, sizes: tuple[int, ...], prefix_len: int, repeats: int, ba
         _time_rows(model, cache, prefix_len, k, vocab)
     times = {k: [] for k in sizes}
     for _ in range(repeats):  # interleave sizes so drifting machine load hits them alike
-        for k in sizes:
+        for _ in range(WARM_FORWARDS):  # the pass starts after the last pass's largest forward
+            _time_rows(model, cache, prefix_len, 1, vocab)
+        for k in sizes:  # ascending: each size after a smaller one, as a generation's steps follow similar steps
             times[k].append(_time_rows(model, cache, prefix_len, k, vocab))
     seconds = [float(np.quantile(times[k], CURVE_QUANTILE)) for k in sizes]
     ratios = np.maximum.accumulate(np.array(seconds) / seconds[0])  # more rows never cost less

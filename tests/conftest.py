@@ -68,8 +68,8 @@ def no_resting_on_timings(monkeypatch):
 def steps_timed_by_the_curve(monkeypatch):
     """Generations in tests correct their cost curve by the step times the curve itself predicts, not by the wall
     clock of the machine running them (`budget.BatchPlanner.record`, fed by the decoder after every forward): the
-    plan, and so tokens per step, depends on the tokens alone, also on a loaded machine. The second step of a timed
-    plan is still a plain one (the first, cold one is not recorded). `tests/test_cost_curve.py` and
+    plan, and so tokens per step, depends on the tokens alone, also on a loaded machine. The step after the first,
+    unrecorded `budget.COLD_FORWARDS` is still a plain one. `tests/test_cost_curve.py` and
     `tests/test_batch.py` give `ObservedCost` their own timings."""
     own = budget.BatchPlanner.record
 
