@@ -87,11 +87,12 @@ class DecodeStats:
         """One line for humans: tokens, tokens/s (whole call and after the prefill), tokens per step, time split,
         accepted per drafter."""
         drafters = ", ".join(f"{k}={v}" for k, v in sorted(self.accepted_by_drafter.items())) or "none"
-        return (f"{self.new_tokens} tokens in {self.total_time:.2f} s ({self.tokens_per_second:.1f} tok/s; "
+        return (f"{_count(self.new_tokens, 'token')} in {self.total_time:.2f} s ({self.tokens_per_second:.1f} tok/s; "
                 f"{self.decode_tokens_per_second:.1f} tok/s after the prefill), "
-                f"{self.steps} steps, {self.mean_tokens_per_step:.2f} tokens/step; time: {self._setup()}prefill "
-                f"{self.prefill_time:.2f} s, drafting {self.draft_time:.2f} s, forward {self.forward_time:.2f} s, "
-                f"verify {self.verify_time:.2f} s; accepted drafts: {drafters}{self._fewer_threads()}")
+                f"{_count(self.steps, 'step')}, {self.mean_tokens_per_step:.2f} tokens/step; time: "
+                f"{self._setup()}prefill {self.prefill_time:.2f} s, drafting {self.draft_time:.2f} s, "
+                f"forward {self.forward_time:.2f} s, verify {self.verify_time:.2f} s; accepted drafts: {drafters}"
+                f"{self._fewer_threads()}")
 
     def _fewer_threads(self) -> str:
         """The summary's thread part: shown when steps ran on fewer threads because the cores were busy."""
@@ -118,3 +119,8 @@ class DecodeStats:
             "mean_expected_tokens": self.mean_expected_tokens, "calibration": [list(p) for p in self.calibration],
             "step_rows": list(self.step_rows), "fewer_threads_steps": self.fewer_threads_steps,
         }
+
+
+def _count(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless n is 1 ("1 token", "3 tokens")."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -69,7 +69,7 @@ def test_generate_interrupted_reports_its_stats_so_far(tiny_folder, monkeypatch)
     folder, _, _ = tiny_folder
     result = _run("def fibonacci(n):", "--model", str(folder), "--max-new-tokens", "64", "--stats")
     assert result.exit_code == 130 and result.stderr.endswith("\nlookahead: interrupted\n")
-    assert "[lookahead] 1 tokens in " in result.stderr and "Traceback" not in result.output
+    assert "[lookahead] 1 token in " in result.stderr and "Traceback" not in result.output
 
 
 def test_generate_reads_stdin_and_reports_stats_and_comparison(tiny_folder):

@@ -139,6 +139,13 @@ def test_stats_give_the_speed_after_the_prefill():
     assert DecodeStats(new_tokens=1, prefill_time=1.0, total_time=1.0).decode_tokens_per_second == 0.0
 
 
+def test_the_stats_line_counts_in_words():
+    assert DecodeStats(steps=4, new_tokens=9, step_tokens=8, total_time=1.0).summary().startswith("9 tokens in ")
+    assert ", 4 steps, " in DecodeStats(steps=4, new_tokens=9, step_tokens=8, total_time=1.0).summary()
+    one = DecodeStats(steps=1, new_tokens=1, step_tokens=1, total_time=1.0).summary()
+    assert one.startswith("1 token in ") and ", 1 step, " in one
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma", "phi3", "gpt2"])
 def test_more_architectures_identical(family):
     """Mistral (no sliding window), Gemma, Phi-3 and GPT-2 (learned absolute positions, so the per-row
