@@ -193,7 +193,7 @@ def test_stats_record_the_planners_prediction_for_every_step():
     assert stats.as_dict()["mean_expected_tokens"] == pytest.approx(stats.mean_expected_tokens)
 
 
-def test_batch_planner_takes_a_plain_step_after_the_first_unless_the_draws_follow_the_plan():
+def test_batch_planner_takes_a_plain_step_after_the_cold_ones_unless_the_draws_follow_the_plan():
     tree = DraftTree.from_paths(1, [[2, 3, 4], [5, 6]], [PROMPT, POOL], budget=8)
     planner = StepPlanner(FLAT, len(SOURCE_DRAFTER), 0)
     planner.rates.tested[:], planner.rates.accepted[:] = 100.0, 90.0
