@@ -27,7 +27,7 @@ import numba
 import numpy as np
 import torch
 
-from . import streamed_gemm
+from . import amx_kernel, streamed_gemm
 from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS
 from .streamed_gemm import StreamedWeight
 
@@ -178,10 +178,11 @@ def _scaled_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | 
     return None if found is None else (found[0], found[2])
 
 
-def pack_stacked(weights: list[torch.Tensor], bias: torch.Tensor | None = None) -> StreamedWeight:
+def pack_stacked(weights: list[torch.Tensor], bias: torch.Tensor | None = None, amx: bool = True) -> StreamedWeight:
     """The streamed kernel's weight for fp32 weights [N_i, K] stacked by rows: "affine4" panels when every weight
     has the exact 4-bit form ("affine4h" with AVX-512 when float16 holds every block's scale and offset, as GGUF's
-    do), else "scaled8" when every one has the exact 8-bit form (where the kernels build here), else
+    do; with `amx` on a CPU with AMX, "amx4" records for `amx_kernel` then, where K is a multiple of 64), else
+    "scaled8" when every one has the exact 8-bit form (where the kernels build here), else
     `streamed_gemm.pack_stacked`'s float32 panels."""
     bias = None if bias is None else bias.detach().contiguous()
     if affine_available():
@@ -189,6 +190,9 @@ def pack_stacked(weights: list[torch.Tensor], bias: torch.Tensor | None = None) 
         if all(form is not None for form in forms):
             scales, offsets, codes = (torch.cat(parts) for parts in zip(*forms))
             if streamed_gemm.vector_width() == 16 and half_exact(scales) and half_exact(offsets):
+                if amx and amx_kernel.available() and amx_kernel.fits(codes.shape[1]):
+                    return StreamedWeight(amx_kernel.records(scales, offsets, codes), len(codes), bias,
+                                          kind=amx_kernel.KIND)
                 return StreamedWeight(_half_affine_panels(scales, offsets, codes), len(codes), bias, kind="affine4h")
             return StreamedWeight(_affine_panels(scales, offsets, codes), len(codes), bias, kind="affine4")
         forms = [scaled_form(weight) for weight in weights]

@@ -61,6 +61,10 @@ class LookaheadConfig:
     4-bit or 8-bit block form (models from GGUF files quantized as Q4_0 / Q4_1 / Q8_0, the default model among
     them) stream from it, checked bit for bit (`affine_weights.py`): the same products, bit for bit, from a fifth
     of the bytes or less.
+    `amx_kernel` (with `compact_weights`, on a CPU with AMX): 4-bit block weights run on tile multiply-adds
+    (`amx_kernel.py`), where a row costs little beyond the first; float32-accurate (each input split into three
+    bfloat16 pieces), but not the streamed kernel's bits, so greedy output matches plain `generate` as closely
+    as the streamed kernel's does (a tie within float32 rounding could go either way).
     `argmax_head` (with `packed_linear` and the streamed kernel; greedy without logits processors or returned
     scores): the LM head streams int8 weights and computes exact fp32 logits only for the tokens a proven error
     bound cannot rule out as a row's argmax (`argmax_head.py`): the same tokens, a quarter of its bytes.
@@ -103,6 +107,7 @@ class LookaheadConfig:
     lean_layers: bool = True
     fused_layers: bool = True
     compact_weights: bool = True
+    amx_kernel: bool = True
     argmax_head: bool = True
     attention: str = "auto"
     adapt_threads: bool = True
@@ -138,7 +143,7 @@ class LookaheadConfig:
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {self.attention!r}")
         for name in ("pool_from_text", "recycle_pairs", "adaptive", "rest_drafters", "packed_linear", "lean_layers",
-                     "fused_layers", "compact_weights", "argmax_head", "adapt_threads"):
+                     "fused_layers", "compact_weights", "amx_kernel", "argmax_head", "adapt_threads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -27,7 +27,7 @@ from numba.extending import intrinsic
 
 from .attention_kernel import call_dots, call_weighted
 from .decode_attention import call_attend_queries, scratch_floats
-from .streamed_gemm import _launch
+from .streamed_gemm import _launch, product_scratch
 from .vector_ir import EXP_FLOOR, EXP_LN2, EXP_POLYNOMIAL, LOG2E  # noqa: F401 — `_exp_below`'s formula
 
 _REDUCE = {"reassoc", "nsz", "contract"}  # reductions: vectorised sums (their own order, deterministic)
@@ -51,7 +51,7 @@ def rms_norm(x, weight, eps, width, out):  # pragma: no cover - compiled
 def product(kernel, transpose, threads, width, x, xt, panels, bias, y):  # pragma: no cover - compiled
     """y [rows, N_pad] = x [rows, K] @ Wᵀ (+ bias on the first len(bias) columns) on the streamed kernel, through
     `streamed_gemm._launch`: `panels` the address of the weight's `[N_pad / width, K, width]` panels, `xt` scratch
-    of at least rows · K floats, `kernel`/`transpose` the compiled functions' addresses
+    of `streamed_gemm.product_scratch(rows, K)` floats, `kernel`/`transpose` the compiled functions' addresses
     (`streamed_gemm._kernel_address`)."""
     rows, k = x.shape
     n = y.shape[1]
@@ -350,7 +350,7 @@ def attention_inputs(kernels, transpose, threads, dims, panels, floats, biases, 
     kernels: the compiled kernel for each one's panels (`streamed_gemm._kernel_address` of its kind); floats: the
     two norms' eps, the hidden size, the attention scale; biases [4, max N]; norms [2, size]."""
     rows, size = hidden.shape
-    scratch = np.empty(rows * size, np.float32)
+    scratch = np.empty(product_scratch(rows, size), np.float32)
     normed = np.empty((rows, size), np.float32)
     rms_norm(hidden, norms[0], floats[0], floats[2], normed)
     qkv = np.empty((rows, dims[5]), np.float32)
@@ -365,7 +365,7 @@ def layer_output(kernels, transpose, threads, dims, panels, floats, biases, norm
     o product plus hidden, the post-attention norm, gate/up, SiLU gating, the down product plus the residual."""
     rows, size = hidden.shape
     query_heads, head_dim, intermediate, width = dims[0], dims[2], dims[3], dims[4]
-    scratch = np.empty(rows * max(size, intermediate, query_heads * head_dim), np.float32)
+    scratch = np.empty(product_scratch(rows, max(size, intermediate, query_heads * head_dim)), np.float32)
     projected = np.empty((rows, dims[6]), np.float32)
     product(kernels[1], transpose, threads, width, attended.reshape(rows, query_heads * head_dim), scratch, panels[1],
             biases[1, :dims[10]], projected)

@@ -36,7 +36,7 @@ _EXTRAS = ("position_bias", "cache", "softcap", "s_aux", "output_attentions")  #
 _NO_MASK = np.empty((0, 0), np.float32)
 _NUMBA_ATTENTION = np.empty(0, np.int64)  # no compiled attention loops: numba's
 # panels computing the weights' own products (int8: approximations)
-_KINDS = ("float32", "affine4", "affine4h", "scaled8")
+_KINDS = ("float32", "affine4", "affine4h", "scaled8", "amx4")
 # With numba's attention loops (heads not a multiple of 8 floats), steps of more rows × slots than this attend with
 # PyTorch's SDPA between two compiled calls: numba's loops computed each (row, head) on its own, quicker for a few
 # rows and short caches; SDPA's blocked products for more (whole steps of the default model, AVX2, 2 threads: about
@@ -75,7 +75,6 @@ class FusedLayer:
         self.floats = np.array([float(eps[0]), float(eps[1]), size, attn.scaling], np.float32)
         self.scaling = attn.scaling  # SDPA's scale as the layer's own attention passes it
         self.shape = (query_heads, key_heads, head_dim, intermediate)
-        self.transpose = streamed_gemm._kernel_address("float32")[1]
         self.attention_loops = attention_loops(head_dim)
         self._weights: tuple | None = None  # the StreamedWeights the arrays below were built from
         self._slab_views: tuple | None = None  # (key slab, value slab, their numpy views)
@@ -108,7 +107,7 @@ class FusedLayer:
         keys, values = layer.reserve(rows)
         source = _rows(hidden_states)  # before `_new_output` replaces the previous layer's output
         out, out_rows = _new_output(hidden_states)
-        common = (arrays[3], self.transpose, compiled_threads(), *arrays[:2], self.floats, arrays[2], self.norms,
+        common = (arrays[3], arrays[4], compiled_threads(), *arrays[:2], self.floats, arrays[2], self.norms,
                   source)
         tables = (_plane(cos), _plane(folded_sin), *self._slabs(keys, values), start)
         if self.attends_compiled(rows, start):
@@ -141,8 +140,8 @@ class FusedLayer:
         return rows == 1 or self.attention_loops.shape[0] > 0 or rows * (start + rows) <= COMPILED_ATTENTION_MAX
 
     def streamed_arrays(self, rows: int) -> tuple | None:
-        """(dims, panel addresses, biases, kernel addresses) of the four products, or None unless all four compute
-        `rows` rows on the streamed kernel with float32 or exact block-form panels."""
+        """(dims, panel addresses, biases, kernel addresses, prepare address) of the four products, or None unless
+        all four compute `rows` rows on the streamed kernel with float32, exact block-form or AMX panels."""
         if not all(p.default_rows < rows <= p.streamed_rows for p in self.packed):
             return None
         weights = tuple(p.streamed() for p in self.packed)
@@ -151,9 +150,13 @@ class FusedLayer:
         return self._arrays
 
     def _build(self, weights: tuple) -> tuple | None:
-        """The arrays `decoder_layer` reads for these streamed weights and their kernels' addresses (None: int8
-        panels)."""
+        """The arrays `decoder_layer` reads for these streamed weights, their kernels' addresses and the address of
+        the call that prepares a product's rows before the threads start (None: int8 panels, or products whose
+        kernels prepare rows differently: the AMX kernel's beside others)."""
         if any(w.scales is not None or w.kind not in _KINDS for w in weights):
+            return None
+        prepare = {streamed_gemm._kernel_address(w.kind)[1] for w in weights}
+        if len(prepare) != 1:
             return None
         widths = [w.panels.shape[0] * streamed_gemm.vector_width() for w in weights]
         lengths = [0 if w.bias is None else w.out_features for w in weights]
@@ -164,7 +167,7 @@ class FusedLayer:
         dims = np.array([*self.shape, streamed_gemm.vector_width(), *widths, *lengths], np.int64)
         panels = np.array([w.panels.data_ptr() for w in weights], np.int64)
         kernels = np.array([streamed_gemm._kernel_address(w.kind)[0] for w in weights], np.int64)
-        return dims, panels, biases, kernels
+        return dims, panels, biases, kernels, prepare.pop()
 
 
 

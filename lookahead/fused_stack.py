@@ -109,7 +109,7 @@ class FusedStack:
         if any(key.shape[0] != batch for key, _ in reserved):
             return None
         slabs, capacities = self._slab_addresses(reserved)
-        out = decoder_stack(arrays[3], self.fused[0].transpose, compiled_threads(), arrays[0], arrays[1], self.floats,
+        out = decoder_stack(arrays[3], arrays[4], compiled_threads(), arrays[0], arrays[1], self.floats,
                             arrays[2], self.norms, hidden.reshape(batch * rows, -1).contiguous().numpy(), cos,
                             folded_sin, slabs, capacities, start, mask, self.fused[0].attention_loops,
                             batch)  # [B · T, size]
@@ -149,8 +149,9 @@ class FusedStack:
                 and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks))
 
     def _arrays(self, rows: int, cache) -> tuple | None:
-        """(dims, panels [layers, 4], biases [layers, 4, max N], kernels [layers, 4]) of every layer, or None unless
-        every product computes `rows` rows on the streamed kernel with panels the fused step reads. Rebuilt from
+        """(dims, panels [layers, 4], biases [layers, 4, max N], kernels [layers, 4], the prepare call's address) of
+        every layer, or None unless every product computes `rows` rows on the streamed kernel with panels the fused
+        step reads (and all prepare their rows alike). Rebuilt from
         each layer's `FusedLayer.streamed_arrays` only when a parameter or a panel changed, which is checked on the
         first step of every `cache` (every generation) and whenever the row count is one this cache has not run:
         checking the ~200 parameters on every step cost ~0.5 ms of a ~20 ms step in situ (the check's Python runs
@@ -178,12 +179,14 @@ class FusedStack:
         """(panels, stamp, stacked arrays or None) after building every layer's arrays anew."""
         layers = [layer.streamed_arrays(rows) for layer in self.fused]
         stacked = None
-        if all(arrays is not None for arrays in layers) and all(np.array_equal(a[0], layers[0][0]) for a in layers):
+        if all(arrays is not None for arrays in layers) and all(
+                np.array_equal(a[0], layers[0][0]) and a[4] == layers[0][4] for a in layers):
             width = max(a[2].shape[1] for a in layers)
             biases = np.zeros((len(layers), 4, width), np.float32)
             for i, arrays in enumerate(layers):
                 biases[i, :, :arrays[2].shape[1]] = arrays[2]
-            stacked = (layers[0][0], np.stack([a[1] for a in layers]), biases, np.stack([a[3] for a in layers]))
+            stacked = (layers[0][0], np.stack([a[1] for a in layers]), biases, np.stack([a[3] for a in layers]),
+                       layers[0][4])
         return [p.panels for p in self.packed], weights_stamp(self.packed), stacked
 
     def _slab_addresses(self, slabs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, np.ndarray]:

@@ -180,7 +180,8 @@ def generation_arithmetic(model, config: LookaheadConfig, refresh: bool = False)
     their timing-dependent decisions from rank 0 (`distributed.agreement`); yields a one-line description.
     `refresh`: measure the kernel choice again instead of reading its cache."""
     kernel_warmup.finish()  # nothing is packed, compiled or measured while a helper compiles the kernels
-    with (agreement(model), packed_linears(model, config.packed_linear, config.compact_weights) as packed,
+    packing = (config.packed_linear, config.compact_weights, config.amx_kernel)
+    with (agreement(model), packed_linears(model, *packing) as packed,
           tree_attention(model, config.attention) as tree,
           lean_layers(model, config.lean_layers, config.fused_layers) as lean):
         linear = "PyTorch's default linear layers"

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import affine_weights, streamed_gemm
+from . import affine_weights, amx_kernel, streamed_gemm
 
 _CACHE_ATTR = "_lookahead_packed_linears"
 # Sibling projections of one block that transformers' decoder layers call on the same input tensor.
@@ -49,18 +49,19 @@ def packing_available(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def packed_linears(model: nn.Module, enabled: bool = True, compact: bool = True) -> Iterator[int]:
+def packed_linears(model: nn.Module, enabled: bool = True, compact: bool = True, amx: bool = True) -> Iterator[int]:
     """Within the block, every packable `nn.Linear` of `model` runs on prepacked weights; yields how many
     layers were swapped (0 when disabled or nothing is packable). The originals are restored on exit, also on
     error. Not re-entrant for the same model (a nested call swaps nothing more). `compact`: the streamed kernel
-    holds weights that have an exact 4-bit or 8-bit block form in it (`affine_weights`), else always float32."""
+    holds weights that have an exact 4-bit or 8-bit block form in it (`affine_weights`), else always float32; `amx`:
+    4-bit ones in the AMX kernel's layout where the CPU has AMX (`amx_kernel`)."""
     if not enabled or not torch.backends.mkldnn.is_available() or getattr(model, "_lookahead_packed_on", False):
         yield 0
         return
     swaps = _packed_modules(model)
     for parent, name, packed in swaps:
         setattr(parent, name, packed)
-    set_compact_weights(model, compact)
+    set_compact_weights(model, compact, amx)
     model._lookahead_packed_on = True
     try:
         yield len(swaps)
@@ -109,14 +110,15 @@ def set_large_kernel(model: nn.Module, kernel: str) -> None:
     model._lookahead_large_kernel = kernel
 
 
-def set_compact_weights(model: nn.Module, compact: bool) -> None:
+def set_compact_weights(model: nn.Module, compact: bool, amx: bool = True) -> None:
     """Whether the streamed kernel's panels of `model`'s packed weights hold weights with an exact block form in
-    it (`affine_weights`; panels built the other way are dropped); recorded as `model._lookahead_compact_weights`
-    (the cost curve's cache key reads it)."""
+    it (`affine_weights`; panels built the other way are dropped), and with `amx` 4-bit ones in the AMX kernel's
+    layout where the CPU has AMX; recorded as `model._lookahead_compact_weights` (True, False or "amx": the cost
+    curve's and the kernel choice's cache keys read it)."""
     for packed in packed_weights(model):
-        if packed.compact != compact:
-            packed.compact, packed.panels = compact, None
-    model._lookahead_compact_weights = compact
+        if (packed.compact, packed.amx) != (compact, amx):
+            packed.compact, packed.amx, packed.panels = compact, amx, None
+    model._lookahead_compact_weights = "amx" if compact and amx and amx_kernel.available() else compact
 
 
 def packed_weights(model: nn.Module) -> list["_PackedWeights"]:
@@ -184,6 +186,7 @@ class _PackedWeights:
         self.streamed_rows = 0  # products of more rows, up to this many, use the streamed kernel
         self.large = "default"  # above them (the streamed kernel in use): "default" matmul or "onednn" unpacked
         self.compact = True  # streamed panels in the weights' exact block form where they have one
+        self.amx = True  # 4-bit block forms in the AMX kernel's layout where the CPU has AMX
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(oneDNN-packed weight, bias or None), fresh for the current parameters."""
@@ -197,8 +200,9 @@ class _PackedWeights:
         """The weight (and bias) in the streamed kernel's panel layout, fresh for the current parameters."""
         self._refresh()
         if self.panels is None:
-            pack = affine_weights.pack_stacked if self.compact else streamed_gemm.pack_stacked
-            self.panels = pack([m.weight for m in self.linears], self._bias())
+            weights = [m.weight for m in self.linears]
+            self.panels = (affine_weights.pack_stacked(weights, self._bias(), self.amx) if self.compact
+                           else streamed_gemm.pack_stacked(weights, self._bias()))
         return self.panels
 
     def derived(self, name: str, build):

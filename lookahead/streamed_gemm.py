@@ -46,6 +46,7 @@ import torch
 from numba.core import types as nb_types
 from numba.extending import intrinsic
 
+from . import amx_kernel
 from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS, affine_kernel_ir, panel_passes, store_sums
 from .compiled_ir import call_codegen, compiled_addresses, host_features
 from .thread_governor import numba_threads
@@ -69,19 +70,20 @@ class StreamedWeight:
     (zero rows pad N to a multiple of P); `bias` [N] or None. float32 panels hold the weight itself; int8 panels
     (`quantize`) hold it rounded to `scales[n] · panels[…, n]`, and the product scales its output by `scales`;
     "affine4", "affine4h" and "scaled8" panels [N_pad / P, K / 32, W, P] (W = 6, 5 or 9 int32 words a record) hold
-    it exactly in 4-bit or 8-bit block form (`affine_weights`)."""
+    it exactly in 4-bit or 8-bit block form (`affine_weights`); "amx4" records [N_pad / 16, K / 32, 320] bytes hold
+    a 4-bit block form for the AMX kernel (`amx_kernel`)."""
 
     panels: torch.Tensor
     out_features: int
     bias: torch.Tensor | None
     scales: torch.Tensor | None = None
-    kind: str = "float32"  # the layout: "float32", "int8", "affine4", "affine4h" or "scaled8" (`affine_weights`)
+    kind: str = "float32"  # "float32", "int8", "affine4", "affine4h", "scaled8" (`affine_weights`) or "amx4"
 
     @property
     def in_features(self) -> int:
         """K, the width of the rows this weight multiplies."""
         k = self.panels.shape[1]
-        return k * AFFINE_BLOCK if self.kind in RECORD_FLOATS else k
+        return k * AFFINE_BLOCK if self.kind in RECORD_FLOATS or self.kind == amx_kernel.KIND else k
 
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> StreamedWeight:
@@ -197,7 +199,8 @@ def product(x: torch.Tensor, weight: StreamedWeight) -> torch.Tensor:
         raise ValueError(f"streamed_gemm needs float32 x [M, {k}], got {x.dtype} {tuple(x.shape)}")
     rows, n = x.shape[0], blocks * vector_width()
     x = x.contiguous()
-    xt = x if rows == 1 else torch.empty(k, rows, dtype=torch.float32)  # [K, M]: step k's inputs side by side
+    # [K, M]: step k's inputs side by side (the AMX kernel's pieces and block sums, `amx_kernel.scratch_floats`)
+    xt = x if rows == 1 else torch.empty(scratch_floats(weight.kind, rows, k), dtype=torch.float32)
     out = torch.empty(rows, n, dtype=torch.float32)
     threads = min(numba_threads(torch.get_num_threads()), blocks)
     address, transpose = _kernel_address(weight.kind)
@@ -403,13 +406,32 @@ exit:
 }"""
 
 
+def scratch_floats(kind: str, rows: int, in_features: int) -> int:
+    """Floats of scratch a product of `rows` rows (more than one) on panels of `kind` needs for the call before
+    its threads start: x transposed, or the AMX kernel's prepared inputs. At most `product_scratch(rows, K)`."""
+    if kind == amx_kernel.KIND:
+        return amx_kernel.scratch_floats(rows, in_features)
+    return rows * in_features
+
+
+@numba.njit(nogil=True, cache=True)
+def product_scratch(rows, in_features):  # pragma: no cover - compiled
+    """Floats of scratch that holds any kind's `scratch_floats(kind, rows, in_features)` (compiled code sizes its
+    scratch before it knows the kind): x transposed takes rows · K floats, the AMX kernel's pieces and block sums
+    fewer than 1.6 · rows · K + 64 · rows + 32."""
+    return 2 * rows * in_features + 64 * rows + 32
+
+
 @functools.cache
 def _kernel_address(weights: str = "float32") -> tuple[int, int]:
     """Addresses of the compiled `streamed_rows` dispatcher and of `transpose` for panels of `weights` ("float32",
     "int8", "affine4", "affine4h" or "scaled8"; each module compiled on first use, ~0.15 s, or loaded from the disk
     cache, ~3 ms: `compiled_ir`)."""
+    if weights == amx_kernel.KIND:
+        return amx_kernel.addresses()
     if weights not in ("float32", "int8", *RECORD_FLOATS):
-        raise ValueError(f"streamed_gemm computes float32, int8, affine4, affine4h or scaled8 panels, got {weights}")
+        raise ValueError(f"streamed_gemm computes float32, int8, affine4, affine4h, scaled8 or amx4 panels, got "
+                         f"{weights}")
     ir = module_ir(vector_width(), rows_per_pass(), weights)
     return compiled_addresses(ir, ("streamed_rows", "transpose"), f"streamed-{weights}-{vector_width()}")
 

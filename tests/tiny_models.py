@@ -66,6 +66,16 @@ def fused_test_model(name: str, seed: int, **extra) -> torch.nn.Module:
                             **{**FUSED_ARCHITECTURES.get(name, {}), **extra})
 
 
+def assert_plain_greedy(model, decoder, seeds=range(3), tokens: int = 40) -> None:
+    """Greedy generation with `decoder` (a `Lookahead`) equals plain greedy on `repetitive_prompt(seed)` for each
+    seed, token for token."""
+    for seed in seeds:
+        prompt = repetitive_prompt(seed)
+        plain = model.generate(prompt, do_sample=False, max_new_tokens=tokens)
+        fast = model.generate(prompt, do_sample=False, max_new_tokens=tokens, custom_generate=decoder)
+        assert torch.equal(plain, fast), seed
+
+
 def repetitive_prompt(seed: int, vocab: int = 64, length: int = 24) -> torch.Tensor:
     """[1, L] random prompt whose second half repeats part of the first (so prompt lookup finds matches)."""
     generator = torch.Generator().manual_seed(seed)
