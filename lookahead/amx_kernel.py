@@ -12,8 +12,8 @@ nearly free. The arithmetic stays float32-accurate:
 - each input x is split into three bfloat16 pieces, x1 = x rounded, x2 = (x - x1) rounded, x3 = (x - x1 - x2)
   rounded, whose sum is x exactly (below float32's normal range, ~1e-38, values flush to zero); three tile
   multiply-adds per block take one piece each. Every product of a piece and a code is exact, so the error is
-  the float32 sums' rounding: relative to float64, 4e-7–9e-7 on the default model's products, the streamed
-  kernel's 1.0e-6–1.6e-6 (`benchmarks/bench_amx_kernel.py`);
+  the float32 sums' rounding: relative to float64, 6.6e-7–1.7e-6 on the default model's first layer's products
+  at 1–16 rows, the streamed kernel's 9.5e-7–1.5e-6 (`benchmarks/bench_amx_kernel.py`);
 - a row's sums do not depend on the rows computed with it or on the split between threads (each tile row is its
   own sums, in the same order), as the streamed kernel's do not — but they are not the streamed kernel's bits.
 
@@ -29,9 +29,9 @@ prepared once per product, before the threads start (`transpose`, the contract o
 the pieces and block sums of every row, into the caller's scratch of `scratch_floats` floats); a lone row (which
 the callers pass without that call) is prepared by each thread on its stack.
 
-Kernel-level, 2 threads, the default model's 120 layer products streamed from memory (ms for all of them, AMX vs
-streamed kernel, `python benchmarks/bench_amx_kernel.py`, session 53): 1 row 3.79 / 3.86, 2 rows 4.07 / 4.71, 4
-rows 4.54 / 5.85, 8 rows 5.09 / 9.04, 16 rows 6.40 / 14.99.
+Kernel-level, 2 threads, the default model's 120 layer products streamed from memory, rows prepared or transposed
+inside the timing (ms for all of them, AMX / streamed kernel, `python benchmarks/bench_amx_kernel.py`, session 53):
+1 row 4.41 / 4.46, 2 rows 4.98 / 5.66, 4 rows 5.94 / 6.85, 8 rows 7.62 / 10.58, 16 rows 12.39 / 18.04.
 """
 
 from __future__ import annotations
