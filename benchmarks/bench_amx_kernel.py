@@ -7,8 +7,9 @@ Each kernel computes the model's layer products (q/k/v, o, gate/up, down of its 
 120 products, by default) for a given number of rows, called as a fused step calls them (`streamed_gemm._launch`,
 no Python between the products, each product's rows prepared or transposed before its threads start): "cached",
 the first layer's four products once per layer (their weights stay in the core's caches), and "streamed", every
-layer's (the default model's 66 MB of 4-bit weights read from memory each pass, as in a step). Per row count: the median of `--repeats` passes, the kernels interleaved, and each kernel's
-largest error relative to float64 over one layer's products. Needs a CPU with AMX.
+layer's (the default model's 66 MB of 4-bit weights read from memory each pass, as in a step). Per row count: the
+median of `--repeats` passes, the kernels interleaved, and each kernel's largest error relative to float64 over
+one layer's products. Needs a CPU with AMX.
 """
 
 from __future__ import annotations

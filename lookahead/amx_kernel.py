@@ -125,13 +125,13 @@ def module_ir() -> str:
     declarations = [f"declare {V16F} @llvm.fma.v16f32({V16F}, {V16F}, {V16F})",
                     "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)"]
     kernels = ["\n".join(kernel_ir(rows)) for rows in range(1, GROUP + 1)]
-    return "\n".join(declarations + [PREPARE_IR] + kernels + [_single_ir(), _dispatcher_ir(), _transpose_ir()])
+    return "\n".join(declarations + [_prepare_ir()] + kernels + [_single_ir(), _dispatcher_ir(), _transpose_ir()])
 
 
-def _halving_sum() -> str:
-    """IR of `%s1`, a block's sum: its halves `%lo` + `%hi` lane by lane, then the vector's halves added four times
-    (16 → 8 → 4 → 2 → 1 lanes)."""
-    out, name, lanes = ["  %s16 = fadd <16 x float> %lo, %hi"], "%s16", 16
+def _halving_sum() -> list[str]:
+    """IR of `%s1`, a block's sum: its halves `%lo_r0` + `%hi_r0` lane by lane, then the vector's halves added four
+    times (16 → 8 → 4 → 2 → 1 lanes)."""
+    out, name, lanes = ["  %s16 = fadd <16 x float> %lo_r0, %hi_r0"], "%s16", 16
     while lanes > 1:
         half = lanes // 2
         parts = []
@@ -147,69 +147,49 @@ def _halving_sum() -> str:
         kind = "float" if half == 1 else f"<{half} x float>"
         out.append(f"  %s{half} = fadd {kind} {parts[0]}, {parts[1]}")
         name, lanes = f"%s{half}", half
-    return "\n".join(out) + "\n"
+    return out
 
 
-# `prepare(x, dest, M, K)`: the pieces and block sums of rows x [M, K] (float32, row-major) into dest (64-byte
-# aligned; `_region_bytes(M, K)`). A block's sum adds its two halves lane by lane, then halves the vector four times.
-PREPARE_IR = """define internal void @prepare(ptr %x, ptr %dest, i64 %M, i64 %K) {
-entry:
-  %blocks = udiv i64 %K, 32
-  %b1 = add i64 %blocks, 1
-  %pr = mul i64 %b1, %M
-  %pieces_bytes = mul i64 %pr, """ + str(PIECES * 64) + """
-  %sums = getelementptr i8, ptr %dest, i64 %pieces_bytes
-  br label %row
-row:
-  %m = phi i64 [0, %entry], [%m_next, %row_end]
-  br label %block
-block:
-  %b = phi i64 [0, %row], [%b_next, %block]
-  %k0 = mul i64 %b, 32
-  %mk = mul i64 %m, %K
-  %src = add i64 %mk, %k0
-  %lo_p = getelementptr float, ptr %x, i64 %src
-  %hi_p = getelementptr float, ptr %lo_p, i64 16
-  %lo = load <16 x float>, ptr %lo_p, align 4
-  %hi = load <16 x float>, ptr %hi_p, align 4
-  %bp = mul i64 %b, """ + str(PIECES) + """
-  %bpm = mul i64 %bp, %M
-  %slot0 = add i64 %bpm, %m
-""" + "".join(f"""  %lo{i} = fptrunc <16 x float> %lo_r{i} to <16 x bfloat>
-  %hi{i} = fptrunc <16 x float> %hi_r{i} to <16 x bfloat>
-  %lo_w{i} = fpext <16 x bfloat> %lo{i} to <16 x float>
-  %hi_w{i} = fpext <16 x bfloat> %hi{i} to <16 x float>
-  %lo_r{i + 1} = fsub <16 x float> %lo_r{i}, %lo_w{i}
-  %hi_r{i + 1} = fsub <16 x float> %hi_r{i}, %hi_w{i}
-  %slot{i}m = mul i64 %M, {i}
-  %slot{i}s = add i64 %slot0, %slot{i}m
-  %off{i} = mul i64 %slot{i}s, 64
-  %dst{i} = getelementptr i8, ptr %dest, i64 %off{i}
-  store <16 x bfloat> %lo{i}, ptr %dst{i}, align 32
-  %dsth{i} = getelementptr i8, ptr %dst{i}, i64 32
-  store <16 x bfloat> %hi{i}, ptr %dsth{i}, align 32
-""".replace("%lo_r0", "%lo").replace("%hi_r0", "%hi") for i in range(PIECES)) + _halving_sum() + """  %bm = mul i64 %b, %M
-  %si = add i64 %bm, %m
-  %sp = getelementptr float, ptr %sums, i64 %si
-  store float %s1, ptr %sp, align 4
-  %b_next = add i64 %b, 1
-  %b_end = icmp eq i64 %b_next, %blocks
-  br i1 %b_end, label %row_end, label %block
-row_end:
-  %zb = mul i64 %blocks, """ + str(PIECES) + """
-  %zbm = mul i64 %zb, %M
-  %zs = add i64 %zbm, %m
-""" + "".join(f"""  %z{i}m = mul i64 %M, {i}
-  %z{i}s = add i64 %zs, %z{i}m
-  %z{i}o = mul i64 %z{i}s, 64
-  %z{i}p = getelementptr i8, ptr %dest, i64 %z{i}o
-  store <16 x float> zeroinitializer, ptr %z{i}p, align 64
-""" for i in range(PIECES)) + """  %m_next = add i64 %m, 1
-  %m_end = icmp eq i64 %m_next, %M
-  br i1 %m_end, label %exit, label %row
-exit:
-  ret void
-}"""
+def _prepare_ir() -> str:
+    """IR of `prepare(x, dest, M, K)`: the pieces and block sums of rows x [M, K] (float32, row-major) into dest
+    (64-byte aligned, `_region_bytes(M, K)` bytes), then each row's zero block."""
+    head = ["define internal void @prepare(ptr %x, ptr %dest, i64 %M, i64 %K) {", "entry:",
+            "  %blocks = udiv i64 %K, 32", "  %b1 = add i64 %blocks, 1", "  %pr = mul i64 %b1, %M",
+            f"  %pieces_bytes = mul i64 %pr, {PIECES * 64}", "  %sums = getelementptr i8, ptr %dest, i64 %pieces_bytes",
+            "  br label %row", "row:", "  %m = phi i64 [0, %entry], [%m_next, %row_end]", "  br label %block",
+            "block:", "  %b = phi i64 [0, %row], [%b_next, %block]", "  %k0 = mul i64 %b, 32", "  %mk = mul i64 %m, %K",
+            "  %src = add i64 %mk, %k0", "  %lo_p = getelementptr float, ptr %x, i64 %src",
+            "  %hi_p = getelementptr float, ptr %lo_p, i64 16", "  %lo_r0 = load <16 x float>, ptr %lo_p, align 4",
+            "  %hi_r0 = load <16 x float>, ptr %hi_p, align 4", f"  %bp = mul i64 %b, {PIECES}",
+            "  %bpm = mul i64 %bp, %M", "  %slot0 = add i64 %bpm, %m"]
+    body = [line for i in range(PIECES) for line in _piece_ir(i)]
+    tail = [*_halving_sum(), "  %bm = mul i64 %b, %M", "  %si = add i64 %bm, %m",
+            "  %sp = getelementptr float, ptr %sums, i64 %si", "  store float %s1, ptr %sp, align 4",
+            "  %b_next = add i64 %b, 1", "  %b_end = icmp eq i64 %b_next, %blocks",
+            "  br i1 %b_end, label %row_end, label %block", "row_end:", f"  %zb = mul i64 %blocks, {PIECES}",
+            "  %zbm = mul i64 %zb, %M", "  %zs = add i64 %zbm, %m"]
+    for i in range(PIECES):
+        tail += [f"  %z{i}m = mul i64 %M, {i}", f"  %z{i}s = add i64 %zs, %z{i}m", f"  %z{i}o = mul i64 %z{i}s, 64",
+                 f"  %z{i}p = getelementptr i8, ptr %dest, i64 %z{i}o",
+                 f"  store <16 x float> zeroinitializer, ptr %z{i}p, align 64"]
+    tail += ["  %m_next = add i64 %m, 1", "  %m_end = icmp eq i64 %m_next, %M",
+             "  br i1 %m_end, label %exit, label %row", "exit:", "  ret void", "}"]
+    return "\n".join(head + body + tail)
+
+
+def _piece_ir(i: int) -> list[str]:
+    """IR of piece i of a block's two halves: the residuals `%lo_r{i}` / `%hi_r{i}` rounded to bfloat16 and stored
+    at the piece's slot, their rounding errors `%lo_r{i+1}` / `%hi_r{i+1}` left for the next piece."""
+    out = []
+    for half in ("lo", "hi"):
+        out += [f"  %{half}{i} = fptrunc <16 x float> %{half}_r{i} to <16 x bfloat>",
+                f"  %{half}_w{i} = fpext <16 x bfloat> %{half}{i} to <16 x float>",
+                f"  %{half}_r{i + 1} = fsub <16 x float> %{half}_r{i}, %{half}_w{i}"]
+    return out + [f"  %slot{i}m = mul i64 %M, {i}", f"  %slot{i}s = add i64 %slot0, %slot{i}m",
+                  f"  %off{i} = mul i64 %slot{i}s, 64", f"  %dst{i} = getelementptr i8, ptr %dest, i64 %off{i}",
+                  f"  store <16 x bfloat> %lo{i}, ptr %dst{i}, align 32",
+                  f"  %dsth{i} = getelementptr i8, ptr %dst{i}, i64 32",
+                  f"  store <16 x bfloat> %hi{i}, ptr %dsth{i}, align 32"]
 
 
 def _region_ir(rows: str, tag: str) -> list[str]:
