@@ -16,9 +16,12 @@ CHAIN = 8  # draft-chain length used to illustrate the chosen budget
 @click.option("--refresh", is_flag=True, help="Measure again even if a cached curve exists.")
 @click.option("--packed/--no-packed", default=True, show_default=True,
               help="Measure with the linear layers on prepacked oneDNN weights (what generation uses by default).")
+@click.option("--amx/--no-amx", default=True, show_default=True,
+              help="Measure with the 4-bit layers on the AMX kernel where the CPU has AMX (what generation uses by "
+                   "default).")
 @click.option("--attention", type=click.Choice(["auto", "sdpa", "triton"]), default="auto", show_default=True,
               help="Attention during generation (see `lookahead generate --help`).")
-def calibrate(model_path, refresh, packed, attention) -> None:
+def calibrate(model_path, refresh, packed, amx, attention) -> None:
     """Print t(k)/t(1) for verifying k rows (at each measured cache length) and how many draft tokens a step
     verifies at each acceptance rate."""
     import_model_stack()
@@ -33,7 +36,7 @@ def calibrate(model_path, refresh, packed, attention) -> None:
     except ModelLoadError as exc:
         raise click.ClickException(str(exc)) from exc
     try:
-        config = LookaheadConfig(packed_linear=packed, attention=attention)
+        config = LookaheadConfig(packed_linear=packed, amx_kernel=amx, attention=attention)
         with generation_arithmetic(model, config, refresh=refresh) as arithmetic:
             curve = cost_curve_for(model, refresh=refresh)
     except ValueError as exc:

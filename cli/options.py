@@ -64,11 +64,15 @@ def sampling_kwargs(sample: bool, temperature: float | None, top_k: int | None, 
 
 # Knobs that keep their value with `--mode off`: the seed (so `--mode off --seed S` reproduces a speculative run)
 # and the arithmetic (so the plain loop computes exactly as the speculative one does).
-BOTH_MODES = ("seed", "attention", "packed_linear")
+BOTH_MODES = ("seed", "attention", "packed_linear", "amx_kernel")
 
 
 def arithmetic_options(command):
-    """Add `--attention` and `--packed/--no-packed` (the knobs `attention`, `packed_linear`) to a command."""
+    """Add `--attention`, `--packed/--no-packed` and `--amx/--no-amx` (the knobs `attention`, `packed_linear`,
+    `amx_kernel`) to a command."""
+    command = click.option("--amx/--no-amx", "amx_kernel", default=None,
+                           help="4-bit layers on the AMX kernel where the CPU has AMX (default: on; --no-amx keeps "
+                                "the streamed kernel).")(command)
     command = click.option("--packed/--no-packed", "packed_linear", default=None,
                            help="Linear layers on oneDNN-prepacked weights during generation (default: on; CPU, "
                                 "fp32).")(command)

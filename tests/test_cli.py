@@ -245,8 +245,9 @@ def test_arithmetic_flags_reach_the_config_in_both_modes():
     from lookahead.cli.options import build_config
 
     for mode in ("lookahead", "off"):
-        config = build_config(mode, {"attention": "sdpa", "packed_linear": False, "seed": 3, "tree_budget": None})
-        assert (config.attention, config.packed_linear, config.seed) == ("sdpa", False, 3)
+        config = build_config(mode, {"attention": "sdpa", "packed_linear": False, "seed": 3, "tree_budget": None,
+                                     "amx_kernel": False})
+        assert (config.attention, config.packed_linear, config.seed, config.amx_kernel) == ("sdpa", False, 3, False)
     assert build_config("off", {"tree_budget": 9}).tree_budget == 0  # speculation knobs do not apply to off
 
 
