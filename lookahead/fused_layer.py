@@ -155,7 +155,7 @@ class FusedLayer:
         kernels prepare rows differently: the AMX kernel's beside others)."""
         if any(w.scales is not None or w.kind not in _KINDS for w in weights):
             return None
-        prepare = {streamed_gemm._kernel_address(w.kind)[1] for w in weights}
+        prepare = {streamed_gemm.prepare_address(w.kind) for w in weights}
         if len(prepare) != 1:
             return None
         widths = [w.panels.shape[0] * streamed_gemm.vector_width() for w in weights]

@@ -414,6 +414,13 @@ def scratch_floats(kind: str, rows: int, in_features: int) -> int:
     return rows * in_features
 
 
+def prepare_address(kind: str) -> int:
+    """The address of the call that prepares a product's rows before its threads start, for panels of `kind`: the
+    AMX kernel's (`amx_kernel`) for its records, else `transpose` (every other module's is the same function, so
+    products of different kinds share the float32 module's and a fused layer may mix them)."""
+    return amx_kernel.addresses()[1] if kind == amx_kernel.KIND else _kernel_address("float32")[1]
+
+
 @numba.njit(nogil=True, cache=True)
 def product_scratch(rows, in_features):  # pragma: no cover - compiled
     """Floats of scratch that holds any kind's `scratch_floats(kind, rows, in_features)` (compiled code sizes its

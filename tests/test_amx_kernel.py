@@ -111,6 +111,43 @@ def test_each_rows_sums_do_not_depend_on_the_rows_or_threads_computing_it():
         torch.set_num_threads(threads)
 
 
+def test_products_of_the_streamed_kinds_share_one_prepare_call():
+    """A fused layer runs its four products with one prepare call: the streamed kinds share `transpose`, so a layer
+    mixing 4-bit and 8-bit block forms still fuses; the AMX kernel's records need their own."""
+    kinds = ("float32", "affine4", "affine4h", "scaled8") if streamed_gemm.vector_width() == 16 else (
+        "float32", "affine4", "scaled8")
+    assert len({streamed_gemm.prepare_address(kind) for kind in kinds}) == 1
+    if amx_kernel.available():
+        assert streamed_gemm.prepare_address("amx4") != streamed_gemm.prepare_address("affine4")
+
+
+@pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and streamed_gemm.available()),
+                    reason="needs oneDNN and the streamed kernel (a CPU with FMA)")
+@pytest.mark.parametrize("amx", [False, True], ids=["streamed", "amx"])
+def test_a_stack_mixing_4_bit_and_8_bit_layers_runs_fused(amx, monkeypatch):
+    """The down products in Q8_0 form ("scaled8"), the others in Q4_1 form: the whole stack still runs as one
+    compiled call when they share the prepare call (the streamed kernel's kinds); with the AMX kernel's records
+    beside "scaled8" panels the layers run step by step instead. Greedy stays plain greedy either way."""
+    from lookahead import fused_stack
+    from lookahead.warmup_model import q8_0
+
+    if amx and not amx_kernel.available():
+        pytest.skip("needs a CPU with AMX and AVX-512")
+    monkeypatch.setattr(amx_kernel, "available", lambda: amx)
+    monkeypatch.setattr(hf, "row_kernels_for", lambda model, refresh=False, quiet=False: RowKernels(0, 64))
+    model = _affine_model("llama", hidden_size=64, intermediate_size=128)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.copy_(q8_0(layer.mlp.down_proj.weight))
+    calls = []
+    real = fused_stack.decoder_stack
+    monkeypatch.setattr(fused_stack, "decoder_stack", lambda *args: calls.append(1) or real(*args))
+    assert_plain_greedy(model, Lookahead(LookaheadConfig(amx_kernel=amx)), seeds=[0])
+    kinds = {packed.panels.kind for packed in packed_weights(model) if packed.panels is not None}
+    assert "scaled8" in kinds and ("amx4" in kinds) == amx
+    assert bool(calls) != amx
+
+
 @needs_amx
 def test_weights_it_does_not_fit_keep_the_streamed_kernels_form():
     assert affine_weights.pack_stacked([_q4_1(16, 96, 0)]).kind == "affine4h"  # K = 3 blocks, not whole pairs
