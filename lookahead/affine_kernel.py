@@ -124,13 +124,7 @@ def _record_loads(form: str, p: str, t: str, c: int, width: int, prefetch: int) 
            f"  {p}roff = mul i64 {p}ri, {4 * width * RECORD_FLOATS[form]}",
            f"  {p}rp = getelementptr i8, ptr %w, i64 {p}roff"]
     if form == "affine4h":  # one word a column: d in its low half, m in its high half, both float16
-        lanes, halves = f"<{width} x i32>", f"<{width} x i16>"
-        out += [f"  {p}dm = load {lanes}, ptr {p}rp, align 4",
-                f"  {p}dh = trunc {lanes} {p}dm to {halves}\n  {p}dhf = bitcast {halves} {p}dh to <{width} x half>",
-                f"  {p}d = fpext <{width} x half> {p}dhf to {vec}",
-                f"  {p}mw = lshr {lanes} {p}dm, {_splat(width, 16)}\n  {p}mh = trunc {lanes} {p}mw to {halves}",
-                f"  {p}mhf = bitcast {halves} {p}mh to <{width} x half>",
-                f"  {p}m = fpext <{width} x half> {p}mhf to {vec}"]
+        out += [f"  {p}dm = load <{width} x i32>, ptr {p}rp, align 4", *widen_halves(p, width)]
     else:
         out.append(f"  {p}d = load {vec}, ptr {p}rp, align 4")
     if form == "affine4":
@@ -142,6 +136,17 @@ def _record_loads(form: str, p: str, t: str, c: int, width: int, prefetch: int) 
         out.append(f"  {p}np = getelementptr i8, ptr {p}rp, i64 {t}gcodes")
     return out + [f"  {p}ahead = getelementptr i8, ptr {p}np, i64 {prefetch * width * 4}",
                   f"  call void @llvm.prefetch.p0(ptr {p}ahead, i32 0, i32 3, i32 1)"]
+
+
+def widen_halves(p: str, width: int) -> list[str]:
+    """IR widening the float16 halves of the `width` 32-bit lanes `{p}dm` to float32 (exact): the low halves to
+    `{p}d`, the high halves to `{p}m` (an "affine4h" record's scales and offsets)."""
+    lanes, halves, vec = f"<{width} x i32>", f"<{width} x i16>", f"<{width} x float>"
+    return [f"  {p}dh = trunc {lanes} {p}dm to {halves}\n  {p}dhf = bitcast {halves} {p}dh to <{width} x half>",
+            f"  {p}d = fpext <{width} x half> {p}dhf to {vec}",
+            f"  {p}mw = lshr {lanes} {p}dm, {_splat(width, 16)}\n  {p}mh = trunc {lanes} {p}mw to {halves}",
+            f"  {p}mhf = bitcast {halves} {p}mh to <{width} x half>",
+            f"  {p}m = fpext <{width} x half> {p}mhf to {vec}"]
 
 
 def _weight(form: str, p: str, i: int, width: int) -> list[str]:

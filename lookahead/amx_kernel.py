@@ -41,7 +41,9 @@ import functools
 
 import torch
 
+from .affine_kernel import widen_halves
 from .compiled_ir import compiled_addresses, host_features
+from .vector_ir import splat, splat_const
 
 KIND = "amx4"
 GROUP = 16  # rows of one tile
@@ -300,9 +302,9 @@ def _tile_config(rows: int) -> str:
     return "<" + ", ".join(f"i8 {value}" for value in data) + ">"
 
 
-def splat(value, lanes: int = 16, kind: str = "i32") -> str:
-    """An IR constant vector of `lanes` `kind` lanes, each `value`."""
-    return "<" + ", ".join([f"{kind} {value}"] * lanes) + ">"
+def _int_splat(value: int, lanes: int) -> str:
+    """An IR constant vector of `lanes` i16 lanes, each `value`."""
+    return "<" + ", ".join([f"i16 {value}"] * lanes) + ">"
 
 
 def widen(record: str, buffer: str, tag: str) -> list[str]:
@@ -313,21 +315,26 @@ def widen(record: str, buffer: str, tag: str) -> list[str]:
                 f"  %{tag}c{j} = load {V32S}, ptr %{tag}c{j}p, align 64"]
         for s, (shift, bits) in enumerate([("shl", 3), ("lshr", 1), ("lshr", 5), ("lshr", 9)]):
             t = f"%{tag}w{j}_{s}"
-            out += [f"  {t}a = {shift} {V32S} %{tag}c{j}, {splat(bits, 32, 'i16')}",
-                    f"  {t}b = and {V32S} {t}a, {splat(0x78, 32, 'i16')}",
-                    f"  {t} = or {V32S} {t}b, {splat(0x3F80, 32, 'i16')}",
+            out += [f"  {t}a = {shift} {V32S} %{tag}c{j}, {_int_splat(bits, 32)}",
+                    f"  {t}b = and {V32S} {t}a, {_int_splat(0x78, 32)}",
+                    f"  {t} = or {V32S} {t}b, {_int_splat(0x3F80, 32)}",
                     f"  {t}p = getelementptr i8, ptr {buffer}, i64 {64 * (4 * j + s)}",
                     f"  store {V32S} {t}, ptr {t}p, align 64"]
     return out
+
+
+def _record(block: str, tag: str) -> list[str]:
+    """IR of `%{tag}rp`, the address of the current panel's record of block `block` (an IR value or constant)."""
+    return [f"  %{tag}i = add i64 %first, {block}", f"  %{tag}o = mul i64 %{tag}i, {RECORD}",
+            f"  %{tag}rp = getelementptr i8, ptr %w, i64 %{tag}o"]
 
 
 def tiles(rows: int, parity: int, block: str, tag: str) -> list[str]:
     """IR of block `block`'s tile work (tile set `parity`): load its code tile from the ring, zero the sums, one
     multiply-add per x piece, store the sums to their buffer; then widen block + AHEAD into the ring."""
     t = tag
-    out = [f"  %{t}i = add i64 %first, {block}", f"  %{t}o = mul i64 %{t}i, {RECORD}",
-           f"  %{t}rp = getelementptr i8, ptr %w, i64 %{t}o",
-           f"  %{t}xo = mul i64 {block}, {PIECES * rows * 64}", f"  %{t}xp = getelementptr i8, ptr %x, i64 %{t}xo",
+    out = [*_record(block, t), f"  %{t}xo = mul i64 {block}, {PIECES * rows * 64}",
+           f"  %{t}xp = getelementptr i8, ptr %x, i64 %{t}xo",
            f"  %{t}slot = urem i64 {block}, {RING}", f"  %{t}so = mul i64 %{t}slot, {TILE_BYTES}",
            f"  %{t}buf = getelementptr i8, ptr %bufs, i64 %{t}so",
            f"  %{t}ai = add i64 {block}, {AHEAD}", f"  %{t}aslot = urem i64 %{t}ai, {RING}",
@@ -350,26 +357,17 @@ def tiles(rows: int, parity: int, block: str, tag: str) -> list[str]:
 def scale(rows: int, block: str, parity: int, tag: str, before, after) -> list[str]:
     """IR adding block `block`'s sums C (buffer `parity`) to each row's accumulator: 16d·C + (m - 16d)·S."""
     t = tag
-    out = [f"  %{t}i = add i64 %first, {block}", f"  %{t}o = mul i64 %{t}i, {RECORD}",
-           f"  %{t}rp = getelementptr i8, ptr %w, i64 %{t}o",
-           f"  %{t}cb = getelementptr i8, ptr %sums, i64 {parity * TILE_BYTES}",
-           f"  %{t}dm = load {V16I}, ptr %{t}rp, align 64"]
-    for half, shifted in (("d", f"%{t}dm"), ("m", f"%{t}mw")):
-        if half == "m":
-            out.append(f"  %{t}mw = lshr {V16I} %{t}dm, {splat(16)}")
-        out += [f"  %{t}{half}h = trunc {V16I} {shifted} to <16 x i16>",
-                f"  %{t}{half}f = bitcast <16 x i16> %{t}{half}h to <16 x half>",
-                f"  %{t}{half} = fpext <16 x half> %{t}{half}f to {V16F}"]
-    out += [f"  %{t}d16 = fmul {V16F} %{t}d, {splat('16.0', kind='float')}",
-            f"  %{t}e = call {V16F} @llvm.fma.v16f32({V16F} %{t}d16, {V16F} {splat('-1.0', kind='float')}, "
-            f"{V16F} %{t}m)", f"  %{t}sb = mul i64 {block}, {rows}"]
+    out = [*_record(block, t), f"  %{t}cb = getelementptr i8, ptr %sums, i64 {parity * TILE_BYTES}",
+           f"  %{t}dm = load {V16I}, ptr %{t}rp, align 64", *widen_halves(f"%{t}", 16),
+           f"  %{t}d16 = fmul {V16F} %{t}d, {splat_const('16.0', 16)}",
+           f"  %{t}e = call {V16F} @llvm.fma.v16f32({V16F} %{t}d16, {V16F} {splat_const('-1.0', 16)}, "
+           f"{V16F} %{t}m)",
+           f"  %{t}sb = mul i64 {block}, {rows}"]
     for m in range(rows):
         out += [f"  %{t}pp{m} = getelementptr i8, ptr %{t}cb, i64 {64 * m}",
                 f"  %{t}p{m} = load {V16F}, ptr %{t}pp{m}, align 64",
                 f"  %{t}si{m} = add i64 %{t}sb, {m}", f"  %{t}sp{m} = getelementptr float, ptr %s, i64 %{t}si{m}",
-                f"  %{t}ss{m} = load float, ptr %{t}sp{m}",
-                f"  %{t}sh{m} = insertelement {V16F} poison, float %{t}ss{m}, i32 0",
-                f"  %{t}sv{m} = shufflevector {V16F} %{t}sh{m}, {V16F} poison, <16 x i32> zeroinitializer",
+                f"  %{t}ss{m} = load float, ptr %{t}sp{m}", *splat(f"{t}sv{m}", f"%{t}ss{m}", 16),
                 f"  %{t}t{m} = call {V16F} @llvm.fma.v16f32({V16F} %{t}d16, {V16F} %{t}p{m}, {V16F} {before(m)})",
                 f"  {after(m)} = call {V16F} @llvm.fma.v16f32({V16F} %{t}e, {V16F} %{t}sv{m}, {V16F} %{t}t{m})"]
     return out

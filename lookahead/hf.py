@@ -188,9 +188,9 @@ def generation_arithmetic(model, config: LookaheadConfig, refresh: bool = False)
         if packed:
             kernels = chosen_row_kernels(model, config, refresh)
             apply_row_kernels(model, kernels)
-            linear = f"{packed} linear layers prepacked: {kernels.describe()}"
-            if getattr(model, "_lookahead_compact_weights", None) == "amx":
-                linear = linear.replace("the streamed kernel", "the streamed kernel (4-bit layers: the AMX kernel)")
+            amx = getattr(model, "_lookahead_compact_weights", None) == "amx"
+            streamed = "the streamed kernel (4-bit layers: the AMX kernel)" if amx else "the streamed kernel"
+            linear = f"{packed} linear layers prepacked: {kernels.describe(streamed)}"
         attention = "lookahead_tree attention" if tree else f"{model.config._attn_implementation} attention"
         yield f"{linear}, {attention}" + (f", {lean} lean decoder layers" if lean else "")
 

@@ -60,15 +60,16 @@ class RowKernels:
     streamed_rows: int = 0
     large: str = "default"
 
-    def describe(self) -> str:
-        """One line for the user: which kernel computes which row counts."""
+    def describe(self, streamed: str = "the streamed kernel") -> str:
+        """One line for the user: which kernel computes which row counts (`streamed` names the streamed kernel's
+        part, e.g. with the AMX kernel computing its 4-bit layers)."""
         parts = []
         if self.default_rows:
             parts.append(f"up to {self.default_rows} rows on PyTorch's default matmul")
         if self.streamed_rows > self.default_rows:
             first = self.default_rows + 1
             span = f"{first}–{self.streamed_rows}" if self.streamed_rows > first else f"{first}"
-            parts.append(f"{span} rows on the streamed kernel")
+            parts.append(f"{span} rows on {streamed}")
         if not parts:
             return "all products on oneDNN's packed weights"
         larger = ({"default": "PyTorch's default matmul", "onednn": "oneDNN (unpacked)"}[self.large]

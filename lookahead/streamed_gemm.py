@@ -432,8 +432,8 @@ def product_scratch(rows, in_features):  # pragma: no cover - compiled
 @functools.cache
 def _kernel_address(weights: str = "float32") -> tuple[int, int]:
     """Addresses of the compiled `streamed_rows` dispatcher and of `transpose` for panels of `weights` ("float32",
-    "int8", "affine4", "affine4h" or "scaled8"; each module compiled on first use, ~0.15 s, or loaded from the disk
-    cache, ~3 ms: `compiled_ir`)."""
+    "int8", "affine4", "affine4h", "scaled8", or "amx4": `amx_kernel`'s module; each module compiled on first use,
+    ~0.15 s, or loaded from the disk cache, ~3 ms: `compiled_ir`)."""
     if weights == amx_kernel.KIND:
         return amx_kernel.addresses()
     if weights not in ("float32", "int8", *RECORD_FLOATS):
