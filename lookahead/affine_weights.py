@@ -43,6 +43,13 @@ def affine_form(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return _checked(weight, _blocks_form)
 
 
+def may_have_form(weight: torch.Tensor) -> bool:
+    """Whether the first PROBE_ROWS rows of the float32 weight have an exact 4-bit or 8-bit block form, where the
+    kernels build (a quick test: `pack_stacked` checks every row, and a later row may still lack the form)."""
+    probe = weight.detach()[:PROBE_ROWS]
+    return affine_available() and (affine_form(probe) is not None or scaled_form(probe) is not None)
+
+
 def _checked(weight: torch.Tensor, find):
     """`find(weight)` for a float32 matrix whose width is a multiple of 32, its first PROBE_ROWS rows tried first;
     None for any other weight or when `find` finds no form."""

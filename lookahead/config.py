@@ -66,8 +66,9 @@ class LookaheadConfig:
     bfloat16 pieces), but not the streamed kernel's bits, so greedy output matches plain `generate` as closely
     as the streamed kernel's does (a tie within float32 rounding could go either way).
     `argmax_head` (with `packed_linear` and the streamed kernel; greedy without logits processors or returned
-    scores): the LM head streams int8 weights and computes exact fp32 logits only for the tokens a proven error
-    bound cannot rule out as a row's argmax (`argmax_head.py`): the same tokens, a quarter of its bytes.
+    scores): an LM head held as float32 panels (no exact block form) streams int8 weights and computes exact fp32
+    logits only for the tokens a proven error bound cannot rule out as a row's argmax (`argmax_head.py`): the same
+    tokens, a quarter of its bytes; a head in its exact 8-bit form (the default model's) keeps its own product.
     `attention`: "auto" attends with the `lookahead_tree` backend (`attention.py`) during generation when the
     model uses SDPA (CPU: grouped-query SDPA without copying key/value heads; CUDA: the Triton tree kernel for
     verification steps); "sdpa" keeps the model's own attention; "triton" forces the backend (CUDA only).

@@ -9,7 +9,8 @@ from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from lookahead import Lookahead, LookaheadConfig, argmax_head, streamed_gemm
 from lookahead.argmax_head import BoundedHead, argmax_logits, bounded_head
-from lookahead.packed_linear import packed_linears, set_default_rows, set_streamed_rows
+from lookahead.packed_linear import packed_linears, set_compact_weights, set_default_rows, set_streamed_rows
+from lookahead.warmup_model import q8_0
 
 pytestmark = pytest.mark.skipif(not streamed_gemm.available(), reason="streamed kernel not built on this machine")
 
@@ -140,6 +141,24 @@ def test_the_head_forward_is_installed_only_for_eligible_models_and_removed_afte
     granite_like = build_tiny_model("llama", dtype=torch.float32)
     with packed_linears(granite_like), _renamed(granite_like, "GraniteForCausalLM"), argmax_logits(granite_like) as on:
         assert not on  # scales its logits after the head: not eligible
+
+
+def test_a_head_held_in_an_exact_block_form_keeps_its_own_exact_product():
+    """A head whose weight is GGUF's Q8_0 form expanded (as the default model's is) streams from that form, 1.125
+    bytes a weight: the bounded head would save nothing, so its own product runs; held as float32 panels
+    (compact weights off), the bounded head does."""
+    model = build_tiny_model("llama", dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(q8_0(model.lm_head.weight))
+    with packed_linears(model):
+        set_default_rows(model, 0)
+        set_streamed_rows(model, 16)
+        with argmax_logits(model) as on:
+            assert not on and "forward" not in model.lm_head.__dict__
+            assert model.lm_head.packed.streamed().kind == "scaled8"
+        set_compact_weights(model, False)
+        with argmax_logits(model) as on:
+            assert on and model.lm_head.packed.streamed().kind == "float32"
 
 
 class _renamed:

@@ -15,6 +15,7 @@ import torch
 from conftest import INJECTED_CURVE
 
 from lookahead import Lookahead, LookaheadConfig, load_model
+from lookahead.argmax_head import BoundedHead
 from lookahead.compat import CACHE_KWARG, output_cache
 
 PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts"
@@ -78,17 +79,24 @@ def test_default_model_identical_to_plain_greedy(default_model, case):
 
 
 @pytest.mark.parametrize("index", [0, 4, 8, 10])
-def test_default_model_bounded_head_gives_the_fp32_heads_tokens(default_model, index):
+def test_default_model_bounded_head_gives_the_fp32_heads_tokens(default_model, index, monkeypatch):
     """Every step's LM head on the bounded int8 head (`argmax_head.py`) and every step on the fp32 head: the same
     tokens exactly (not merely up to near ties: the argmax is proven the fp32 head's), speculating and not, and
-    the same as plain greedy up to near ties."""
+    the same as plain greedy up to near ties. The weights stay float32 (`compact_weights=False`): the head's exact
+    8-bit form would otherwise run instead of the bounded head (its own product is the cheaper there)."""
     model, tokenizer = default_model
     _, text, chat = _cases()[index]
     prompt = _encode(tokenizer, text, chat)
-    every_step = dict(default_matmul_rows=0, streamed_matmul_rows=16)
-    runs = [model.generate(prompt, do_sample=False, max_new_tokens=MAX_NEW_TOKENS,
-                           custom_generate=Lookahead(config.with_overrides(**every_step, argmax_head=bounded)))
-            for config in (LookaheadConfig(), LookaheadConfig.off()) for bounded in (True, False)]
+    calls, logits = [], BoundedHead.logits
+    monkeypatch.setattr(BoundedHead, "logits", lambda head, x, exact: calls.append(1) or logits(head, x, exact))
+    every_step = dict(default_matmul_rows=0, streamed_matmul_rows=16, compact_weights=False)
+    runs = []
+    for config in (LookaheadConfig(), LookaheadConfig.off()):
+        for bounded in (True, False):
+            before = len(calls)
+            decoder = Lookahead(config.with_overrides(**every_step, argmax_head=bounded))
+            runs.append(model.generate(prompt, do_sample=False, max_new_tokens=MAX_NEW_TOKENS, custom_generate=decoder))
+            assert (len(calls) > before) == bounded
     assert all(torch.equal(run, runs[0]) for run in runs[1:])
     _assert_same_or_near_tie(model, prompt, runs[0])
 

@@ -199,8 +199,9 @@ kernel_warmup.main(sys.argv[1]) if sys.argv[1] == "model" else kernel_warmup.war
 
 def test_after_the_helper_the_default_model_generates_without_compiling(tmp_path):
     """The helper and the command's part, run at once on a fresh cache, leave the default model nothing to compile;
-    the helper compiles the fused decoder before the weights' block search and the LM head's kernels, which the
-    command's part compiles too (whichever comes first), never the fused decoder."""
+    the helper compiles the fused decoder before the weights' block search, which the command's part compiles too
+    (whichever comes first), never the fused decoder. (The bounded LM head's kernels are not among them: a head in
+    Q8_0 form, as the default model's, keeps its exact product.)"""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     parts = [subprocess.Popen((sys.executable, "-c", COMPILES, part), env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for part in ("model", "drafting")]
@@ -210,7 +211,7 @@ def test_after_the_helper_the_default_model_generates_without_compiling(tmp_path
     assert "decoder_stack" in helper and "decoder_stack" not in here
     before = helper[:helper.index("decoder_stack")]
     assert not {"_find_blocks", "_code_lanes", "_slack_rows", "_reaching"} & set(before), helper
-    assert {"_find_blocks", "_slack_rows"} <= set(here) | set(helper[helper.index("decoder_stack"):])
+    assert "_find_blocks" in set(here) | set(helper[helper.index("decoder_stack"):])
     done = subprocess.run([sys.executable, "-c", MISSES], env=env, check=True, timeout=900, capture_output=True,
                           text=True)
     missed = done.stdout.split()
