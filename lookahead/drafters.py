@@ -15,7 +15,7 @@ from .draft_noise import DraftNoise
 from .draft_model import NO_CHAIN, ModelDrafter
 from .ngram_pool import NGramPool
 from .prompt_lookup import PromptLookup
-from .recycle import NO_NOISE, RecycleDrafter, RecycleTable
+from .recycle import NO_NOISE, RecycleDrafter, RecycleTable, RowTops, top_k
 from .recycle_prior import RecyclePrior
 from .tree import DraftTree
 from .verify import SampledDrafts
@@ -95,20 +95,26 @@ class Drafters:
             self.pool.add(grams)
 
     def recycle_rows(self, tokens: np.ndarray, logits: torch.Tensor, order: np.ndarray | None = None,
-                     prev: np.ndarray | None = None) -> None:
+                     prev: np.ndarray | None = None, tops: RowTops | None = None) -> None:
         """Feed token recycling with verified rows: `tokens` [n] int64 the token each row carries, `logits`
         [n, V] their raw logits, `prev` [n] int64 the token before each row's (None: unknown), `order` the rows
-        to store in order (None = all; the accepted path last)."""
+        to store in order (None = all; the accepted path last), `tops` the logits' `row_tops` (None: computed)."""
         if self.recycle is not None:
-            self.recycle.observe(tokens, logits, order, prev)
+            self.recycle.observe(tokens, logits, order, prev, tops)
 
-    def recycle_tree(self, tree: DraftTree, logits: torch.Tensor, order: np.ndarray, before_root: int) -> None:
+    def row_tops(self, logits: torch.Tensor) -> RowTops | None:
+        """The top-k token recycling reads from verified rows' raw logits [n, V] (computed once, also for the
+        greedy walk: their first column is each row's argmax: `verify.argmax_of`), or None when nothing is recycled."""
+        return None if self.recycle is None else top_k(logits, self.recycle.tops_k(logits))
+
+    def recycle_tree(self, tree: DraftTree, logits: torch.Tensor, order: np.ndarray, before_root: int,
+                     tops: RowTops | None = None) -> None:
         """`recycle_rows` for a verified tree's rows (`order` as there): each row's previous token is its parent's,
         the root's is `before_root` (-1: unknown); derived only when pair rows are kept."""
         prev = None
         if self.recycle is not None and self.config.recycle_pairs:
             prev = np.where(tree.parents >= 0, tree.tokens[np.maximum(tree.parents, 0)], before_root)
-        self.recycle_rows(tree.tokens, logits, order, prev)
+        self.recycle_rows(tree.tokens, logits, order, prev, tops)
 
     def observe_hidden(self, hidden: torch.Tensor | None) -> None:
         """Remember the target's final normed hidden state [size] of the row that chose the current root (None:

@@ -7,6 +7,7 @@ raw logits are final, greedy only).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .sampling import probs_from_scores, sample, sample_seeded
@@ -26,9 +27,9 @@ class GreedyRule:
         return self.first(scores, index), None
 
     def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer | None, root_index: int,
-             sampled: SampledDrafts | None = None) -> Verdict:
-        """Verify `tree` against its rows' raw logits [N, V]."""
-        return verify_greedy(tree, logits, scorer)
+             sampled: SampledDrafts | None = None, argmax: np.ndarray | None = None) -> Verdict:
+        """Verify `tree` against its rows' raw logits [N, V] (`argmax` [N]: their argmax, when known)."""
+        return verify_greedy(tree, logits, scorer, argmax)
 
 
 class SampledRule:
@@ -47,9 +48,9 @@ class SampledRule:
         return sample(q, self.generator), q
 
     def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer, root_index: int,
-             sampled: SampledDrafts | None = None) -> Verdict:
+             sampled: SampledDrafts | None = None, argmax: np.ndarray | None = None) -> Verdict:
         """Accept a sampled draft with min(1, p/q), point-mass children with their residual probability; the
-        bonus comes from the residual or the leaf."""
+        bonus comes from the residual or the leaf (`argmax`: unused, a sampled walk reads probabilities)."""
         return verify_point_mass(tree, _probs_at(tree, logits, scorer), self.generator, sampled)
 
 
@@ -70,8 +71,9 @@ class SeededRule:
         return self.first(scores, index), None
 
     def walk(self, tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer, root_index: int,
-             sampled: SampledDrafts | None = None) -> Verdict:
-        """Greedy walk on the noise-perturbed log-probabilities of each visited node."""
+             sampled: SampledDrafts | None = None, argmax: np.ndarray | None = None) -> Verdict:
+        """Greedy walk on the noise-perturbed log-probabilities of each visited node (`argmax`: unused, the raw
+        logits' argmax is not the perturbed one)."""
         return verify_seeded(tree, _probs_at(tree, logits, scorer), self.seed, root_index)
 
 

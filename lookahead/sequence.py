@@ -20,7 +20,7 @@ from .scores import ScoreRecord
 from .stats import AcceptedDrafts
 from .stop_checks import StopCheck
 from .tree import DraftTree
-from .verify import Verdict
+from .verify import Verdict, argmax_of
 
 
 class Sequence:
@@ -119,15 +119,17 @@ class Sequence:
         scorer = self._node_scorer()
         if self.record is not None:
             scorer = self.record.remembering(scorer)
+        tops = self.drafters.row_tops(logits)  # read once: recycled below, and its first column is the argmax
         verdict = self.rule.walk(tree, logits, scorer, root_index=self.length - 1,
-                                 sampled=self.drafters.sampled_drafts(tree))
+                                 sampled=self.drafters.sampled_drafts(tree),
+                                 argmax=None if tops is None else argmax_of(tops.indices, tops.nan_free))
         if self.record is not None:
             self.record.record_walk(self.new_tokens, verdict, logits)
         path = np.asarray(verdict.path, dtype=np.int64)
         others = np.ones(tree.size, dtype=bool)
         others[path] = False
         self.drafters.recycle_tree(tree, logits, np.concatenate([np.flatnonzero(others), path]),
-                                   int(self.ids[self.length - 2]) if self.length >= 2 else -1)
+                                   int(self.ids[self.length - 2]) if self.length >= 2 else -1, tops)
         return verdict
 
     def commit(self, tokens: list[int], limit: int, cut_at_stop: bool) -> list[int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .sampling import inverse_cdf, sample_seeded
@@ -65,16 +66,27 @@ def walk(tree: DraftTree, pick: PickRule) -> Verdict:
         node = child
 
 
-def verify_greedy(tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer | None = None) -> Verdict:
+def verify_greedy(tree: DraftTree, logits: torch.Tensor, scorer: NodeScorer | None = None,
+                  argmax: np.ndarray | None = None) -> Verdict:
     """Greedy walk: at node v take t = argmax; descend into the child carrying t, else emit t and stop.
 
     logits: [N, V] raw logits of the tree's rows. `scorer` applies the generation config's logits processors
-    with the node's true prefix; when None the raw logits are used (all rows' argmax in one call).
+    with the node's true prefix; when None the raw logits are used (all rows' argmax in one call, or `argmax`
+    [N], each row's `logits.argmax(-1)`, when the caller has it: `argmax_of`).
     """
     if scorer is None:
-        best = logits.argmax(dim=-1).tolist()
+        best = (argmax if argmax is not None else logits.argmax(dim=-1)).tolist()
         return walk(tree, lambda node, path: best[node])
     return walk(tree, lambda node, path: int(scorer(path, logits[node]).argmax()))
+
+
+def argmax_of(indices: np.ndarray, nan_free: np.ndarray) -> np.ndarray | None:
+    """Each row's `torch.argmax` from its top-k token ids [N, k] (best first, ties to the lower id, -1 where a row
+    has nothing above -inf) when no row holds a NaN (`nan_free` [N]); None otherwise (argmax picks a NaN, a top-k
+    never does) or when a row is all -inf (argmax: token 0): left to argmax itself."""
+    if not len(indices) or not indices.shape[1] or not bool(nan_free.all()) or bool((indices[:, 0] < 0).any()):
+        return None
+    return indices[:, 0]
 
 
 def verify_point_mass(tree: DraftTree, probs_at: NodeProbs, generator: torch.Generator,

@@ -181,5 +181,6 @@ def test_the_amx_kernel_is_a_checked_option(monkeypatch):
     prompt = repetitive_prompt(1)
     model.generate(prompt, do_sample=False, max_new_tokens=8, custom_generate=Lookahead(LookaheadConfig(
         amx_kernel=False)))
-    assert {packed.panels.kind for packed in packed_weights(model) if packed.panels is not None} == {"affine4h"}
+    kinds = {packed.panels.kind for packed in packed_weights(model) if packed.panels is not None}
+    assert kinds == {"affine4h", "scaled8"}  # the layers on the streamed kernel, the Q8_0 head its own exact product
     assert model._lookahead_compact_weights is True

@@ -76,12 +76,23 @@ def test_top_k_is_torch_topk_ties_to_the_lower_token(dtype):
     generator = torch.Generator().manual_seed(3)
     logits = torch.randint(-20, 20, (5, 300), generator=generator).to(dtype)  # many ties
     logits[2] = 1.0  # a row of one value: the first k tokens
-    indices, values = recycle.top_k(logits, 8)
+    indices, values, nan_free = recycle.top_k(logits, 8)
     expected = torch.sort(logits, dim=-1, descending=True, stable=True)
-    assert np.array_equal(values, expected.values[:, :8].float().numpy())
+    assert np.array_equal(values, expected.values[:, :8].float().numpy()) and nan_free.all()
     if dtype == torch.float32:  # our pass: ties in token order (torch.topk does not promise one)
         assert np.array_equal(indices, expected.indices[:, :8].numpy())
         assert indices[2].tolist() == list(range(8))
+        assert np.array_equal(indices[:, 0], logits.argmax(dim=-1).numpy())  # the first column is torch's argmax
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_k_says_which_rows_hold_a_nan_and_our_pass_never_picks_one(dtype):
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [1.0, float("nan"), 2.0, 0.0], [1.0, float("inf"), 2.0, 0.0],
+                           [float("-inf"), 3.0, 2.0, 0.0]], dtype=dtype)
+    indices, values, nan_free = recycle.top_k(logits, 2)
+    assert nan_free.tolist() == [True, False, True, True]
+    if dtype == torch.float32:  # our pass (torch.topk, for other rows, ranks NaN first)
+        assert indices.tolist() == [[1, 2], [2, 0], [1, 2], [1, 2]] and values[1].tolist() == [2.0, 1.0]
 
 
 # Root 1's predictions are 2, 3, 4; 2's are 5, 6, 7; 5's are 8, 9, 10; the rest are unknown.

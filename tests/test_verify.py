@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookahead.tree import DraftTree
-from lookahead.verify import Verdict, verify_greedy
+from lookahead.recycle import top_k
+from lookahead.verify import Verdict, argmax_of, verify_greedy
 
 V = 8
 
@@ -147,3 +148,32 @@ def test_greedy_matches_reference_walk(paths, budget, seed):
     verdict = verify_greedy(tree, logits)
     assert (verdict.tokens, verdict.path) == reference_walk(tree, logits)
     assert verdict.tokens[:-1] == tree.path_tokens(verdict.path[-1])
+
+
+@settings(max_examples=100, deadline=None)
+@given(paths=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), max_size=6),
+       budget=st.integers(0, 12), seed=st.integers(0, 2**16), k=st.integers(1, 6))
+def test_the_walk_on_top_k_argmaxes_is_the_walk_on_the_logits(paths, budget, seed, k):
+    """Greedy steps take each row's argmax from the top-k recycling reads (`Sequence.verify`): the same walk as
+    on the logits themselves, ties included (integer logits: many)."""
+    tree = DraftTree.from_paths(0, paths, [0] * len(paths), budget)
+    logits = torch.randint(-3, 4, (tree.size, 6), generator=torch.Generator().manual_seed(seed)).float()
+    tops = top_k(logits, k)
+    argmax = argmax_of(tops.indices, tops.nan_free)
+    assert argmax is not None and np.array_equal(argmax, logits.argmax(dim=-1).numpy())
+    walked = verify_greedy(tree, logits, None, argmax)
+    assert (walked.tokens, walked.path) == reference_walk(tree, logits)
+
+
+def test_rows_with_a_nan_or_nothing_above_minus_infinity_leave_the_argmax_to_torch():
+    inf = float("inf")
+    edges = torch.tensor([[-inf, -inf, -inf], [0.0, inf, inf], [-inf, 1.0, 1.0]])
+    tops = top_k(edges, 2)
+    assert argmax_of(tops.indices, tops.nan_free) is None  # the all -inf row: torch says token 0
+    assert argmax_of(tops.indices[1:], tops.nan_free[1:]).tolist() == edges[1:].argmax(dim=-1).tolist() == [1, 1]
+    logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, float("nan"), 1.0]])
+    tops = top_k(logits, 2)
+    assert argmax_of(tops.indices, tops.nan_free) is None  # torch's argmax picks the NaN (token 1), a top-k never
+    assert argmax_of(tops.indices[:1], tops.nan_free[:1]).tolist() == [1]
+    tree = DraftTree.from_paths(0, [[1]], [0], budget=4)
+    assert verify_greedy(tree, logits, None, None).tokens == [1, 1]  # as plain greedy would: the NaN's token
