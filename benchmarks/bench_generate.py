@@ -72,8 +72,8 @@ def run_suite(model, tokenizer, prompts: list[Prompt], methods, repeats: int, ma
 
     `config` is the `LookaheadConfig` of the `lookahead` method (`lookahead_off` always uses
     `LookaheadConfig.off()`, `lookahead_fp32_head` turns the bounded int8 LM head off (`argmax_head.py`: the A/B
-    of that head, which runs only on heads held as float32 panels), `lookahead_no_prior` turns the recycling prior off (`recycle_prior.py`: its A/B),
-    `lookahead_pairs` turns recycled rows per token pair on (`recycle_pairs.py`),
+    of that head, which runs only on heads held as float32 panels), `lookahead_no_prior` turns the recycling prior
+    off (`recycle_prior.py`: its A/B), `lookahead_pairs` turns recycled rows per token pair on (`recycle_pairs.py`),
     `lookahead_draft` adds `draft_model`, the ablation methods override it with
     `ABLATION`, `lookahead_sample` adds a seed); `hf_assisted` and `lookahead_draft` need `draft_model`.
     `warm_recycle`: keep each `Lookahead`'s recycling table across runs as it is (default: every run of a prompt

@@ -3,8 +3,9 @@
 Its decoder layers' weights are rounded as GGUF's Q4_1 does (`fma(q, d, m)` per block of 32, float16 d and m; `q4_1`,
 also what the tests round weights with) and its tied LM head as Q8_0 (`d · q`, `q8_0`), so `affine_weights` finds the
 forms it finds in the default model and the streamed kernel and the compiled decoder stack run on them (the head, in
-its exact 8-bit form, keeps its own product, as the default model's does: `argmax_head`); its heads are 64 floats wide, the default model's. Sizes are otherwise tiny: the compiled kernels depend
-on the arguments' types, not their sizes.
+its exact 8-bit form, keeps its own product, as the default model's does: `argmax_head`); its heads are 64 floats
+wide, the default model's. Sizes are otherwise tiny: the compiled kernels depend on the arguments' types, not their
+sizes.
 """
 
 from __future__ import annotations
