@@ -30,6 +30,8 @@ AVX-512; independent chains, each column's sum in its own order), the panels lef
 
 from __future__ import annotations
 
+from .vector_ir import splat_const
+
 AFFINE_BLOCK = 32  # weights along K sharing one scale and offset (GGUF's Q4_0 / Q4_1 block)
 # Bytes prefetched ahead, in float32 vectors' worth (8 KB with AVX2, ~1400 steps of 0.75-byte weights). Measured
 # on the default model's products, one row (AVX2, noisy): 64 → 8.9 ms, 128 → 6.8–7.4, 256 → 6.2–9.1,
@@ -144,7 +146,8 @@ def widen_halves(p: str, width: int) -> list[str]:
     lanes, halves, vec = f"<{width} x i32>", f"<{width} x i16>", f"<{width} x float>"
     return [f"  {p}dh = trunc {lanes} {p}dm to {halves}\n  {p}dhf = bitcast {halves} {p}dh to <{width} x half>",
             f"  {p}d = fpext <{width} x half> {p}dhf to {vec}",
-            f"  {p}mw = lshr {lanes} {p}dm, {_splat(width, 16)}\n  {p}mh = trunc {lanes} {p}mw to {halves}",
+            f"  {p}mw = lshr {lanes} {p}dm, {splat_const(16, width, 'i32')}",
+            f"  {p}mh = trunc {lanes} {p}mw to {halves}",
             f"  {p}mhf = bitcast {halves} {p}mh to <{width} x half>",
             f"  {p}m = fpext <{width} x half> {p}mhf to {vec}"]
 
@@ -161,8 +164,8 @@ def _weight(form: str, p: str, i: int, width: int) -> list[str]:
     out, shifted = [], f"{p}codes"
     if i:
         shifted = f"{p}sh{i}"
-        out.append(f"  {shifted} = lshr {lanes} {p}codes, {_splat(width, 4 * i)}")
-    return out + [f"  {p}q{i} = and {lanes} {shifted}, {_splat(width, 15)}",
+        out.append(f"  {shifted} = lshr {lanes} {p}codes, {splat_const(4 * i, width, 'i32')}")
+    return out + [f"  {p}q{i} = and {lanes} {shifted}, {splat_const(15, width, 'i32')}",
                   f"  {p}qf{i} = sitofp {lanes} {p}q{i} to {vec}",
                   f"  {p}w{i} = call {vec} @llvm.fma.v{width}f32({vec} {p}qf{i}, {vec} {p}d, {vec} {p}m)"]
 

@@ -28,8 +28,9 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS, _splat
+from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS
 from .compiled_ir import host_features
+from .vector_ir import splat_const
 
 WIDTH = 8  # floats per AVX2 vector register: the only width tiles are written for
 VECTOR_REGISTERS = 16
@@ -67,7 +68,7 @@ def tile_kernel_ir(rows: int, name: str, width: int = WIDTH) -> str:
 entry:
   %params = alloca [{len(_PARAMETERS)} x i64], align 8
   %mask = alloca [{isa.SCRATCH_BYTES // 4} x i32], align 64
-  store <{width} x i32> {_splat(width, 15)}, ptr %mask, align 64
+  store <{width} x i32> {splat_const(15, width, 'i32')}, ptr %mask, align 64
 {stores}
   %panel_bytes = mul i64 %K, {isa.RECORD_BYTES // AFFINE_BLOCK}
   store i64 %panel_bytes, ptr %p1

@@ -302,11 +302,6 @@ def _tile_config(rows: int) -> str:
     return "<" + ", ".join(f"i8 {value}" for value in data) + ">"
 
 
-def _int_splat(value: int, lanes: int) -> str:
-    """An IR constant vector of `lanes` i16 lanes, each `value`."""
-    return "<" + ", ".join([f"i16 {value}"] * lanes) + ">"
-
-
 def widen(record: str, buffer: str, tag: str) -> list[str]:
     """IR writing the codes of the record at `record` as a tile of bfloat16 pairs (1 + q/16) at `buffer`."""
     out = []
@@ -315,9 +310,9 @@ def widen(record: str, buffer: str, tag: str) -> list[str]:
                 f"  %{tag}c{j} = load {V32S}, ptr %{tag}c{j}p, align 64"]
         for s, (shift, bits) in enumerate([("shl", 3), ("lshr", 1), ("lshr", 5), ("lshr", 9)]):
             t = f"%{tag}w{j}_{s}"
-            out += [f"  {t}a = {shift} {V32S} %{tag}c{j}, {_int_splat(bits, 32)}",
-                    f"  {t}b = and {V32S} {t}a, {_int_splat(0x78, 32)}",
-                    f"  {t} = or {V32S} {t}b, {_int_splat(0x3F80, 32)}",
+            out += [f"  {t}a = {shift} {V32S} %{tag}c{j}, {splat_const(bits, 32, 'i16')}",
+                    f"  {t}b = and {V32S} {t}a, {splat_const(0x78, 32, 'i16')}",
+                    f"  {t} = or {V32S} {t}b, {splat_const(0x3F80, 32, 'i16')}",
                     f"  {t}p = getelementptr i8, ptr {buffer}, i64 {64 * (4 * j + s)}",
                     f"  store {V32S} {t}, ptr {t}p, align 64"]
     return out

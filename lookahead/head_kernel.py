@@ -16,7 +16,7 @@ import numba
 import numpy as np
 import torch
 
-from .recycle import _top_k
+from .recycle import _row_top_k
 from .streamed_gemm import StreamedWeight, _call_address, _kernel_address, vector_width
 from .thread_governor import numba_threads
 
@@ -96,15 +96,12 @@ def _scaled(address, panels, blocks, width, outputs, scales, x, vector, threads)
 
 @numba.njit(nogil=True, cache=True)
 def _top(scores, rows, probs):  # pragma: no cover - compiled
-    """rows [k] = the indices of the k largest scores, best first (`recycle._top_k`: ties to the lower index, NaN
-    never picked, -1 where nothing was); probs [k] = their softmax probabilities over all scores."""
-    k = rows.shape[0]
-    best = np.empty((1, k), np.float32)
-    found = np.empty((1, k), np.int64)
-    _top_k(scores.reshape(1, scores.shape[0]), found, best)
-    rows[:] = found[0]
+    """rows [k] = the indices of the k largest scores, best first (`recycle._row_top_k`: ties to the lower index,
+    NaN never picked, -1 where nothing was); probs [k] = their softmax probabilities over all scores."""
+    best = np.empty(rows.shape[0], np.float32)
+    _row_top_k(scores, rows, best)
     total = 0.0
     for v in range(scores.shape[0]):
-        total += np.exp(np.float64(scores[v] - best[0, 0]))
-    for j in range(k):
-        probs[j] = np.exp(np.float64(best[0, j] - best[0, 0])) / total
+        total += np.exp(np.float64(scores[v] - best[0]))
+    for j in range(rows.shape[0]):
+        probs[j] = np.exp(np.float64(best[j] - best[0])) / total

@@ -73,18 +73,11 @@ def _row_top_k(row, indices, values):  # pragma: no cover - compiled
     return nan_free
 
 
-@numba.njit(cache=True, nogil=True)
-def _top_k(logits, indices, values):  # pragma: no cover - compiled
-    """Each row's k = indices.shape[1] largest logits, best first (ties: lower token id first), into indices [n, k]
-    int64 and values [n, k] float32, for logits [n, V] float32 (`_row_top_k`; NaN logits are never picked)."""
-    for r in range(logits.shape[0]):
-        _row_top_k(logits[r], indices[r], values[r])
-
-
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _top_k_rows(logits, indices, values, nan_free):  # pragma: no cover - compiled
-    """`_top_k` with the rows in parallel (a step's rows: about half its time on 2 cores at 8 rows), and nan_free
-    [n] whether each row holds no NaN."""
+    """Each row's k = indices.shape[1] largest logits (`_row_top_k`) into indices [n, k] and values [n, k], the rows
+    in parallel (a step's rows: about half the one-thread time on 2 cores at 8 rows), and nan_free [n] whether each
+    row holds no NaN."""
     for r in numba.prange(logits.shape[0]):
         nan_free[r] = _row_top_k(logits[r], indices[r], values[r])
 

@@ -33,9 +33,10 @@ def splat(name: str, scalar: str, lanes: int = LANES) -> list[str]:
             f"  %{name} = shufflevector {vec} %{name}_h, {vec} poison, <{lanes} x i32> zeroinitializer"]
 
 
-def splat_const(value: str, lanes: int = LANES) -> str:
-    """An IR constant vector of `lanes` floats, each `value` (an IR float literal)."""
-    return "<" + ", ".join([f"float {value}"] * lanes) + ">"
+def splat_const(value, lanes: int = LANES, kind: str = "float") -> str:
+    """An IR constant vector of `lanes` `kind` lanes (float, or an integer type such as i32), each `value` (an IR
+    literal of that type)."""
+    return "<" + ", ".join([f"{kind} {value}"] * lanes) + ">"
 
 
 def float_literal(value: float) -> str:
