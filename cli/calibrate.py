@@ -17,8 +17,8 @@ CHAIN = 8  # draft-chain length used to illustrate the chosen budget
 @click.option("--packed/--no-packed", default=True, show_default=True,
               help="Measure with the linear layers on prepacked oneDNN weights (what generation uses by default).")
 @click.option("--amx/--no-amx", default=True, show_default=True,
-              help="Measure with the 4-bit layers on the AMX kernel where the CPU has AMX (what generation uses by "
-                   "default).")
+              help="Measure with 4-bit and 8-bit block weights on the AMX kernels where the CPU has AMX (what "
+                   "generation uses by default).")
 @click.option("--attention", type=click.Choice(["auto", "sdpa", "triton"]), default="auto", show_default=True,
               help="Attention during generation (see `lookahead generate --help`).")
 def calibrate(model_path, refresh, packed, amx, attention) -> None:

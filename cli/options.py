@@ -71,8 +71,8 @@ def arithmetic_options(command):
     """Add `--attention`, `--packed/--no-packed` and `--amx/--no-amx` (the knobs `attention`, `packed_linear`,
     `amx_kernel`) to a command."""
     command = click.option("--amx/--no-amx", "amx_kernel", default=None,
-                           help="4-bit layers on the AMX kernel where the CPU has AMX (default: on; --no-amx keeps "
-                                "the streamed kernel).")(command)
+                           help="4-bit and 8-bit block weights on the AMX kernels where the CPU has AMX (default: "
+                                "on; --no-amx keeps the streamed kernel).")(command)
     command = click.option("--packed/--no-packed", "packed_linear", default=None,
                            help="Linear layers on oneDNN-prepacked weights during generation (default: on; CPU, "
                                 "fp32).")(command)

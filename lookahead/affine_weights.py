@@ -27,7 +27,7 @@ import numba
 import numpy as np
 import torch
 
-from . import amx_kernel, streamed_gemm
+from . import amx_int8, amx_kernel, streamed_gemm
 from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS
 from .streamed_gemm import StreamedWeight
 
@@ -189,7 +189,8 @@ def pack_stacked(weights: list[torch.Tensor], bias: torch.Tensor | None = None, 
     """The streamed kernel's weight for fp32 weights [N_i, K] stacked by rows: "affine4" panels when every weight
     has the exact 4-bit form ("affine4h" with AVX-512 when float16 holds every block's scale and offset, as GGUF's
     do; with `amx` on a CPU with AMX, "amx4" records for `amx_kernel` then, where K is a multiple of 64), else
-    "scaled8" when every one has the exact 8-bit form (where the kernels build here), else
+    "scaled8" when every one has the exact 8-bit form (where the kernels build here; with `amx` on a CPU with
+    AMX-INT8, "amx8" records for `amx_int8` then, where K is a multiple of 64), else
     `streamed_gemm.pack_stacked`'s float32 panels."""
     bias = None if bias is None else bias.detach().contiguous()
     if affine_available():
@@ -205,6 +206,8 @@ def pack_stacked(weights: list[torch.Tensor], bias: torch.Tensor | None = None, 
         forms = [scaled_form(weight) for weight in weights]
         if all(form is not None for form in forms):
             scales, codes = (torch.cat(parts) for parts in zip(*forms))
+            if amx and amx_int8.available() and amx_int8.fits(codes.shape[1]):
+                return StreamedWeight(amx_int8.records(scales, codes), len(codes), bias, kind=amx_int8.KIND)
             return StreamedWeight(_scaled_panels(scales, codes), len(codes), bias, kind="scaled8")
     return streamed_gemm.pack_stacked(weights, bias)
 

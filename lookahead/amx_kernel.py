@@ -96,12 +96,13 @@ def records(scales: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor) ->
     return body
 
 
-def scratch_floats(rows: int, in_features: int) -> int:
+def scratch_floats(rows: int, in_features: int, region_bytes=None) -> int:
     """Floats of scratch `transpose` needs for `rows` rows of width `in_features`: every group's pieces and block
-    sums, 64-byte aligned."""
+    sums, 64-byte aligned. `region_bytes(rows, in_features)`: a group's bytes (None: this module's)."""
+    region_bytes = _region_bytes if region_bytes is None else region_bytes
     full, left = divmod(rows, GROUP)
     groups = [GROUP] * full + ([left] if left else [])
-    return (64 + sum(_region_bytes(size, in_features) for size in groups)) // 4
+    return (64 + sum(region_bytes(size, in_features) for size in groups)) // 4
 
 
 def _region_bytes(rows: int, in_features: int) -> int:
@@ -127,7 +128,15 @@ def module_ir() -> str:
     declarations = [f"declare {V16F} @llvm.fma.v16f32({V16F}, {V16F}, {V16F})",
                     "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)"]
     kernels = ["\n".join(kernel_ir(rows)) for rows in range(1, GROUP + 1)]
-    return "\n".join(declarations + [_prepare_ir()] + kernels + [_single_ir(), _dispatcher_ir(), _transpose_ir()])
+    return "\n".join(declarations + [_prepare_ir()] + kernels + driver_ir())
+
+
+def driver_ir(region=None) -> list[str]:
+    """IR of `single`, `streamed_rows` and `transpose` around a module's `prepare` and kernels `rows1` … `rows16`;
+    `region(rows, tag)`: IR computing `%{tag}region`, the bytes of a group's prepared inputs (None: this module's
+    `_region_ir`). `amx_int8` shares them with its own region."""
+    region = _region_ir if region is None else region
+    return [_single_ir(region), _dispatcher_ir(region), _transpose_ir(region)]
 
 
 def _halving_sum() -> list[str]:
@@ -203,17 +212,17 @@ def _region_ir(rows: str, tag: str) -> list[str]:
             f"  %{tag}region = and i64 %{tag}t63, -64"]
 
 
-def _single_ir() -> str:
+def _single_ir(region) -> str:
     """`single(x, w, y, K, N, lo, hi)`: one row, x [K] itself; prepared on this thread's stack, then `rows1`."""
     return "\n".join(["define internal void @single(i64 %x, i64 %w, i64 %y, i64 %K, i64 %N, i64 %lo, i64 %hi) {",
-                      "entry:", *_region_ir("1", "r"), "  %area = alloca i8, i64 %rregion, align 64",
+                      "entry:", *region("1", "r"), "  %area = alloca i8, i64 %rregion, align 64",
                       "  %xp = inttoptr i64 %x to ptr", "  call void @prepare(ptr %xp, ptr %area, i64 1, i64 %K)",
                       "  %ai = ptrtoint ptr %area to i64",
                       "  call void @rows1(i64 %ai, i64 %w, i64 %y, i64 %K, i64 %N, i64 %lo, i64 %hi)",
                       "  ret void", "}"])
 
 
-def _groups_loop(enter: str, body: list[str], latch: str, tag: str) -> list[str]:
+def _groups_loop(enter: str, body: list[str], latch: str, tag: str, region) -> list[str]:
     """IR looping over the groups of 16 rows, entered from block `enter`: `%r` a group's first row, `%g` its size,
     `%at` its prepared region (from `%xt` rounded up to 64 bytes); `body` runs from block `group` and ends in
     block `latch`, which moves on to the next group."""
@@ -221,13 +230,13 @@ def _groups_loop(enter: str, body: list[str], latch: str, tag: str) -> list[str]
             "group:", f"  %r = phi i64 [0, %{enter}], [%r_next, %{latch}]",
             f"  %at = phi i64 [%base, %{enter}], [%at_next, %{latch}]",
             "  %left = sub i64 %rows, %r", f"  %full = icmp sgt i64 %left, {GROUP}",
-            f"  %g = select i1 %full, i64 {GROUP}, i64 %left", *body, *_region_ir("%g", tag),
+            f"  %g = select i1 %full, i64 {GROUP}, i64 %left", *body, *region("%g", tag),
             f"  %at_next = add i64 %at, %{tag}region", f"  %r_next = add i64 %r, {GROUP}",
             "  %more = icmp slt i64 %r_next, %rows", "  br i1 %more, label %group, label %exit",
             "exit:", "  ret void", "}"]
 
 
-def _dispatcher_ir() -> str:
+def _dispatcher_ir(region) -> str:
     """`streamed_rows(rows, x, xs, w, y, K, N, lo, hi)`: one row from x itself (`single`); more from the regions
     `transpose` prepared at x, group by group, each over panels lo ≤ b < hi."""
     cases = " ".join(f"i64 {m}, label %r{m}" for m in range(1, GROUP + 1))
@@ -240,55 +249,76 @@ def _dispatcher_ir() -> str:
     for m in range(1, GROUP + 1):
         body += [f"r{m}:", f"  call void @rows{m}(i64 %at, i64 %w, i64 %yg, i64 %K, i64 %N, i64 %lo, i64 %hi)",
                  "  br label %done"]
-    return "\n".join(head + _groups_loop("start", body + ["done:"], "done", "n"))
+    return "\n".join(head + _groups_loop("start", body + ["done:"], "done", "n", region))
 
 
-def _transpose_ir() -> str:
+def _transpose_ir(region) -> str:
     """`transpose(x, xt, M, K)` (`streamed_gemm`'s name and contract for the call before the threads start): the
     pieces and block sums of x [M, K] into the scratch at xt (`scratch_floats(M, K)` floats), group by group."""
     body = ["  %xrow = mul i64 %r, %K", "  %xoff = mul i64 %xrow, 4", "  %xg = add i64 %x, %xoff",
             "  %xgp = inttoptr i64 %xg to ptr", "  %atp = inttoptr i64 %at to ptr",
             "  call void @prepare(ptr %xgp, ptr %atp, i64 %g, i64 %K)"]
     return "\n".join(["define void @transpose(i64 %x, i64 %xt, i64 %rows, i64 %K) {", "entry:",
-                      *_groups_loop("entry", body, "group", "t")])
+                      *_groups_loop("entry", body, "group", "t", region)])
 
 
 def kernel_ir(rows: int) -> list[str]:
     """IR of `rows{rows}(i64 x, i64 w, i64 y, i64 K, i64 N, i64 lo, i64 hi)`: x the rows' prepared region, y
     [rows, N]; per panel lo ≤ b < hi, block 0's tiles, then blocks in pairs (tiles of the next block, scaling of
     the one before), the sums stored to y."""
+    setup = ["  %bufs = getelementptr i8, ptr %cfg, i64 64",
+             f"  %sums = getelementptr i8, ptr %cfg, i64 {64 + RING * TILE_BYTES}",
+             "  %b1 = add i64 %blocks, 1", "  %pr = mul i64 %b1, " + str(PIECES * rows * 64),
+             "  %s = getelementptr i8, ptr %x, i64 %pr"]
+    body = ["  %first_bytes = mul i64 %first, " + str(RECORD),
+            "  %first_record = getelementptr i8, ptr %w, i64 %first_bytes"]
+    for ahead in range(AHEAD):
+        body += [f"  %pre{ahead}r = getelementptr i8, ptr %first_record, i64 {RECORD * ahead}",
+                 f"  %pre{ahead}b = getelementptr i8, ptr %bufs, i64 {TILE_BYTES * ahead}"]
+        body += widen(f"%pre{ahead}r", f"%pre{ahead}b", f"pre{ahead}")
+    return kernel_shell(rows, SCRATCH, _tile_config(rows), setup, body + block_pairs(rows, tiles, scale))
+
+
+def kernel_shell(rows: int, scratch: int, config: str, setup: list[str], body: list[str]) -> list[str]:
+    """IR of `rows{rows}(i64 x, i64 w, i64 y, i64 K, i64 N, i64 lo, i64 hi)` around a tile kernel's own parts: x, w
+    and y as pointers, `%blocks` = K / 32, a stack area `%cfg` of `scratch` bytes starting with the tile
+    configuration `config` (an IR constant), then `setup`, the tiles configured; per panel lo ≤ b < hi (`%b`,
+    `%first` = b · blocks) `body` runs from block `start` and branches to block `store` with the rows' sums in
+    `%odd0` … , which stores them to y [rows, N]. `amx_int8` builds its kernels on it too."""
     out = [f"define internal void @rows{rows}(i64 %xa, i64 %wa, i64 %ya, i64 %K, i64 %N, i64 %lo, i64 %hi) {{",
            "entry:", "  %x = inttoptr i64 %xa to ptr", "  %w = inttoptr i64 %wa to ptr",
-           "  %y = inttoptr i64 %ya to ptr", f"  %cfg = alloca i8, i64 {SCRATCH}, align 64",
-           f"  store <64 x i8> {_tile_config(rows)}, ptr %cfg, align 64",
-           "  %bufs = getelementptr i8, ptr %cfg, i64 64",
-           f"  %sums = getelementptr i8, ptr %cfg, i64 {64 + RING * TILE_BYTES}", "  %blocks = udiv i64 %K, 32",
-           "  %b1 = add i64 %blocks, 1", "  %pr = mul i64 %b1, " + str(PIECES * rows * 64),
-           "  %s = getelementptr i8, ptr %x, i64 %pr",
+           "  %y = inttoptr i64 %ya to ptr", f"  %cfg = alloca i8, i64 {scratch}, align 64",
+           f"  store <64 x i8> {config}, ptr %cfg, align 64", "  %blocks = udiv i64 %K, 32", *setup,
            '  call void asm sideeffect "ldtilecfg ($0)", "r,~{memory}"(ptr %cfg)', "  br label %panel",
            "panel:", "  %b = phi i64 [%lo, %entry], [%b_next, %store]", "  %done = icmp sge i64 %b, %hi",
-           "  br i1 %done, label %exit, label %start",
-           "start:", "  %first = mul i64 %b, %blocks", "  %first_bytes = mul i64 %first, " + str(RECORD),
-           "  %first_record = getelementptr i8, ptr %w, i64 %first_bytes"]
-    for ahead in range(AHEAD):
-        out += [f"  %pre{ahead}r = getelementptr i8, ptr %first_record, i64 {RECORD * ahead}",
-                f"  %pre{ahead}b = getelementptr i8, ptr %bufs, i64 {TILE_BYTES * ahead}"]
-        out += widen(f"%pre{ahead}r", f"%pre{ahead}b", f"pre{ahead}")
-    out += tiles(rows, 0, "0", "first")
-    out += ["  br label %block", "block:", "  %r = phi i64 [0, %start], [%r_next, %block]"]
-    out += [f"  %acc{m} = phi {V16F} [zeroinitializer, %start], [%odd{m}, %block]" for m in range(rows)]
-    out += ["  %r1 = add i64 %r, 1", "  %r2 = add i64 %r, 2"]
-    out += tiles(rows, 1, "%r1", "O")
-    out += scale(rows, "%r", 0, "SE", lambda m: f"%acc{m}", lambda m: f"%even{m}")
-    out += tiles(rows, 0, "%r2", "E")
-    out += scale(rows, "%r1", 1, "SO", lambda m: f"%even{m}", lambda m: f"%odd{m}")
-    out += ["  %r_next = add i64 %r, 2", "  %last = icmp uge i64 %r_next, %blocks",
-            "  br i1 %last, label %store, label %block", "store:", f"  %col = mul i64 %b, {GROUP}"]
+           "  br i1 %done, label %exit, label %start", "start:", "  %first = mul i64 %b, %blocks", *body,
+           "store:", f"  %col = mul i64 %b, {GROUP}"]
     for m in range(rows):
         out += [f"  %yr{m} = mul i64 %N, {m}", f"  %yi{m} = add i64 %yr{m}, %col",
                 f"  %yp{m} = getelementptr float, ptr %y, i64 %yi{m}", f"  store {V16F} %odd{m}, ptr %yp{m}, align 4"]
     return out + ["  %b_next = add i64 %b, 1", "  br label %panel", "exit:",
                   '  call void asm sideeffect "tilerelease", "~{memory}"()', "  ret void", "}"]
+
+
+def block_pairs(rows: int, tiles, scale, guarded: bool = False) -> list[str]:
+    """IR of a panel's blocks from block 0's tiles on, in pairs: the tiles of the next block (set 1), the scaling
+    of the one before (set 0), the tiles of the one after (set 0), the scaling of the next (set 1), each row's sums
+    in `%acc{m}` → `%even{m}` → `%odd{m}`; then a branch to `store` after the last. `tiles(rows, parity, block,
+    tag)` and `scale(rows, block, parity, tag, before, after)` are the kernel's; `guarded`: no tiles for the block
+    past the last (else the kernel's records and rows must let it read one)."""
+    latch = "join" if guarded else "block"
+    out = [*tiles(rows, 0, "0", "first"), "  br label %block", "block:",
+           f"  %r = phi i64 [0, %start], [%r_next, %{latch}]"]
+    out += [f"  %acc{m} = phi {V16F} [zeroinitializer, %start], [%odd{m}, %{latch}]" for m in range(rows)]
+    out += ["  %r1 = add i64 %r, 1", "  %r2 = add i64 %r, 2", *tiles(rows, 1, "%r1", "O"),
+            *scale(rows, "%r", 0, "SE", lambda m: f"%acc{m}", lambda m: f"%even{m}")]
+    if guarded:
+        out += ["  %more = icmp ult i64 %r2, %blocks", "  br i1 %more, label %ahead, label %join", "ahead:"]
+    out += tiles(rows, 0, "%r2", "E")
+    out += ["  br label %join", "join:"] if guarded else []
+    out += scale(rows, "%r1", 1, "SO", lambda m: f"%even{m}", lambda m: f"%odd{m}")
+    return out + ["  %r_next = add i64 %r, 2", "  %last = icmp uge i64 %r_next, %blocks",
+                  "  br i1 %last, label %store, label %block"]
 
 
 def _tile_config(rows: int) -> str:
@@ -318,9 +348,10 @@ def widen(record: str, buffer: str, tag: str) -> list[str]:
     return out
 
 
-def _record(block: str, tag: str) -> list[str]:
-    """IR of `%{tag}rp`, the address of the current panel's record of block `block` (an IR value or constant)."""
-    return [f"  %{tag}i = add i64 %first, {block}", f"  %{tag}o = mul i64 %{tag}i, {RECORD}",
+def record_address(block: str, tag: str, record: int = RECORD) -> list[str]:
+    """IR of `%{tag}rp`, the address of the current panel's record of block `block` (an IR value or constant),
+    records of `record` bytes."""
+    return [f"  %{tag}i = add i64 %first, {block}", f"  %{tag}o = mul i64 %{tag}i, {record}",
             f"  %{tag}rp = getelementptr i8, ptr %w, i64 %{tag}o"]
 
 
@@ -328,7 +359,7 @@ def tiles(rows: int, parity: int, block: str, tag: str) -> list[str]:
     """IR of block `block`'s tile work (tile set `parity`): load its code tile from the ring, zero the sums, one
     multiply-add per x piece, store the sums to their buffer; then widen block + AHEAD into the ring."""
     t = tag
-    out = [*_record(block, t), f"  %{t}xo = mul i64 {block}, {PIECES * rows * 64}",
+    out = [*record_address(block, t), f"  %{t}xo = mul i64 {block}, {PIECES * rows * 64}",
            f"  %{t}xp = getelementptr i8, ptr %x, i64 %{t}xo",
            f"  %{t}slot = urem i64 {block}, {RING}", f"  %{t}so = mul i64 %{t}slot, {TILE_BYTES}",
            f"  %{t}buf = getelementptr i8, ptr %bufs, i64 %{t}so",
@@ -352,7 +383,7 @@ def tiles(rows: int, parity: int, block: str, tag: str) -> list[str]:
 def scale(rows: int, block: str, parity: int, tag: str, before, after) -> list[str]:
     """IR adding block `block`'s sums C (buffer `parity`) to each row's accumulator: 16d·C + (m - 16d)·S."""
     t = tag
-    out = [*_record(block, t), f"  %{t}cb = getelementptr i8, ptr %sums, i64 {parity * TILE_BYTES}",
+    out = [*record_address(block, t), f"  %{t}cb = getelementptr i8, ptr %sums, i64 {parity * TILE_BYTES}",
            f"  %{t}dm = load {V16I}, ptr %{t}rp, align 64", *widen_halves(f"%{t}", 16),
            f"  %{t}d16 = fmul {V16F} %{t}d, {splat_const('16.0', 16)}",
            f"  %{t}e = call {V16F} @llvm.fma.v16f32({V16F} %{t}d16, {V16F} {splat_const('-1.0', 16)}, "

@@ -27,7 +27,7 @@ CURVE_QUANTILE = 0.25  # a low quantile of repeated timings: machine noise only 
 # a pass that followed the largest size high and every ratio ~15% low (docs/step-cost.md, "Session 52").
 WARM_FORWARDS = 5
 # bump when the measurement, the arithmetic or the kernels change: older cached curves are not reused
-CURVE_VERSION = 13
+CURVE_VERSION = 14
 
 
 def curve_key(model, batch: int = 1) -> str:

@@ -64,7 +64,9 @@ class LookaheadConfig:
     `amx_kernel` (with `compact_weights`, on a CPU with AMX): 4-bit block weights run on tile multiply-adds
     (`amx_kernel.py`), where a row costs little beyond the first; float32-accurate (each input split into three
     bfloat16 pieces), but not the streamed kernel's bits, so greedy output matches plain `generate` as closely
-    as the streamed kernel's does (a tie within float32 rounding could go either way).
+    as the streamed kernel's does (a tie within float32 rounding could go either way); 8-bit block weights (the
+    default model's LM head) on int8 tile multiply-adds where the CPU has AMX-INT8 (`amx_int8.py`, four int8
+    pieces of each input: float32-accurate too).
     `argmax_head` (with `packed_linear` and the streamed kernel; greedy without logits processors or returned
     scores): an LM head held as float32 panels (no exact block form) streams int8 weights and computes exact fp32
     logits only for the tokens a proven error bound cannot rule out as a row's argmax (`argmax_head.py`): the same

@@ -46,7 +46,7 @@ import torch
 from numba.core import types as nb_types
 from numba.extending import intrinsic
 
-from . import amx_kernel
+from . import amx_int8, amx_kernel
 from .affine_kernel import AFFINE_BLOCK, RECORD_FLOATS, affine_kernel_ir, panel_passes, store_sums
 from .compiled_ir import call_codegen, compiled_addresses, host_features
 from .thread_governor import numba_threads
@@ -54,6 +54,7 @@ from .thread_governor import numba_threads
 # Weight vectors prefetched ahead: 4 KB with AVX-512 (measured: 4–32 too close, 128–256 no better, 512 worse). A
 # prefetch past the end of the panels is harmless (x86 prefetches never fault).
 PREFETCH_STEPS = 64
+AMX_KINDS = {amx_kernel.KIND: amx_kernel, amx_int8.KIND: amx_int8}  # tile kernels by the kind of records they read
 # int8 kernels that compute several panels a pass (`panels_per_pass`) prefetch, at each step, the same step of the
 # panel one pass ahead instead (`together` panels of K int8 vectors further) — by vector width. Measured on AVX2
 # (Zen 3, 2 threads, the default model's int8 LM head [49152, 576] after a read of 160 MB, medians): 1 / 2 / 3 rows
@@ -71,19 +72,20 @@ class StreamedWeight:
     (`quantize`) hold it rounded to `scales[n] · panels[…, n]`, and the product scales its output by `scales`;
     "affine4", "affine4h" and "scaled8" panels [N_pad / P, K / 32, W, P] (W = 6, 5 or 9 int32 words a record) hold
     it exactly in 4-bit or 8-bit block form (`affine_weights`); "amx4" records [N_pad / 16, K / 32, 320] bytes hold
-    a 4-bit block form for the AMX kernel (`amx_kernel`)."""
+    a 4-bit block form for the AMX kernel (`amx_kernel`), "amx8" records [N_pad / 16, K / 32, 576] an 8-bit one for
+    the AMX-INT8 kernel (`amx_int8`)."""
 
     panels: torch.Tensor
     out_features: int
     bias: torch.Tensor | None
     scales: torch.Tensor | None = None
-    kind: str = "float32"  # "float32", "int8", "affine4", "affine4h", "scaled8" (`affine_weights`) or "amx4"
+    kind: str = "float32"  # "float32", "int8", "affine4", "affine4h", "scaled8" (`affine_weights`), "amx4", "amx8"
 
     @property
     def in_features(self) -> int:
         """K, the width of the rows this weight multiplies."""
         k = self.panels.shape[1]
-        return k * AFFINE_BLOCK if self.kind in RECORD_FLOATS or self.kind == amx_kernel.KIND else k
+        return k * AFFINE_BLOCK if self.kind in RECORD_FLOATS or self.kind in AMX_KINDS else k
 
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> StreamedWeight:
@@ -409,16 +411,16 @@ exit:
 def scratch_floats(kind: str, rows: int, in_features: int) -> int:
     """Floats of scratch a product of `rows` rows (more than one) on panels of `kind` needs for the call before
     its threads start: x transposed, or the AMX kernel's prepared inputs. At most `product_scratch(rows, K)`."""
-    if kind == amx_kernel.KIND:
-        return amx_kernel.scratch_floats(rows, in_features)
+    if kind in AMX_KINDS:
+        return AMX_KINDS[kind].scratch_floats(rows, in_features)
     return rows * in_features
 
 
 def prepare_address(kind: str) -> int:
     """The address of the call that prepares a product's rows before its threads start, for panels of `kind`: the
-    AMX kernel's (`amx_kernel`) for its records, else `transpose` (every other module's is the same function, so
-    products of different kinds share the float32 module's and a fused layer may mix them)."""
-    return amx_kernel.addresses()[1] if kind == amx_kernel.KIND else _kernel_address("float32")[1]
+    tile kernel's (`amx_kernel`, `amx_int8`) for its records, else `transpose` (every other module's is the same
+    function, so products of different kinds share the float32 module's and a fused layer may mix them)."""
+    return AMX_KINDS[kind].addresses()[1] if kind in AMX_KINDS else _kernel_address("float32")[1]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -432,13 +434,13 @@ def product_scratch(rows, in_features):  # pragma: no cover - compiled
 @functools.cache
 def _kernel_address(weights: str = "float32") -> tuple[int, int]:
     """Addresses of the compiled `streamed_rows` dispatcher and of `transpose` for panels of `weights` ("float32",
-    "int8", "affine4", "affine4h", "scaled8", or "amx4": `amx_kernel`'s module; each module compiled on first use,
-    ~0.15 s, or loaded from the disk cache, ~3 ms: `compiled_ir`)."""
-    if weights == amx_kernel.KIND:
-        return amx_kernel.addresses()
+    "int8", "affine4", "affine4h", "scaled8", or "amx4" / "amx8": the tile kernels' modules; each compiled on first
+    use, ~0.15 s, or loaded from the disk cache, ~3 ms: `compiled_ir`)."""
+    if weights in AMX_KINDS:
+        return AMX_KINDS[weights].addresses()
     if weights not in ("float32", "int8", *RECORD_FLOATS):
-        raise ValueError(f"streamed_gemm computes float32, int8, affine4, affine4h, scaled8 or amx4 panels, got "
-                         f"{weights}")
+        raise ValueError(f"streamed_gemm computes float32, int8, affine4, affine4h, scaled8, amx4 or amx8 panels, "
+                         f"got {weights}")
     ir = module_ir(vector_width(), rows_per_pass(), weights)
     return compiled_addresses(ir, ("streamed_rows", "transpose"), f"streamed-{weights}-{vector_width()}")
 

@@ -21,9 +21,14 @@ needs_amx = pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and str
                                     and amx_kernel.available()), reason="needs a CPU with AMX and AVX-512")
 
 
+def block_weight(form, n: int, k: int, seed: int) -> torch.Tensor:
+    """A random float32 weight [n, k] rounded to a GGUF block form (`warmup_model.q4_1`, `q8_0`)."""
+    return form(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+
+
 def _q4_1(n: int, k: int, seed: int) -> torch.Tensor:
     """A Q4_1-style float32 weight [n, k] (float16 scales and offsets, every weight fma(q, d, m))."""
-    return q4_1(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+    return block_weight(q4_1, n, k, seed)
 
 
 def test_records_hold_each_weights_code_scale_and_offset_where_the_kernel_reads_them():
@@ -97,12 +102,18 @@ def test_products_are_float32_accurate_for_any_row_count(n, k):
 
 @needs_amx
 def test_each_rows_sums_do_not_depend_on_the_rows_or_threads_computing_it():
-    weight = _q4_1(80, 192, 3)
-    packed = affine_weights.pack_stacked([weight])
-    x = torch.randn(35, 192, generator=torch.Generator().manual_seed(4))
+    assert_rows_and_threads_do_not_matter(affine_weights.pack_stacked([_q4_1(80, 192, 3)]))
+
+
+def assert_rows_and_threads_do_not_matter(packed) -> None:
+    """Each of 35 rows' product with `packed` is the same bits alone, among the first few rows, among all and on
+    one thread."""
+    x = torch.randn(35, packed.in_features, generator=torch.Generator().manual_seed(4))
     together = streamed_gemm.product(x, packed)
     for row in range(35):
         assert torch.equal(streamed_gemm.product(x[row:row + 1], packed)[0], together[row])
+    for count in (2, 4, 5, 9):
+        assert torch.equal(streamed_gemm.product(x[:count], packed), together[:count])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -126,8 +137,9 @@ def test_products_of_the_streamed_kinds_share_one_prepare_call():
 @pytest.mark.parametrize("amx", [False, True], ids=["streamed", "amx"])
 def test_a_stack_mixing_4_bit_and_8_bit_layers_runs_fused(amx, monkeypatch):
     """The down products in Q8_0 form ("scaled8"), the others in Q4_1 form: the whole stack still runs as one
-    compiled call when they share the prepare call (the streamed kernel's kinds); with the AMX kernel's records
-    beside "scaled8" panels the layers run step by step instead. Greedy stays plain greedy either way."""
+    compiled call when they share the prepare call (the streamed kernel's kinds); with the AMX kernels' records
+    ("amx4" beside "amx8", each kernel preparing its rows its own way) the layers run step by step instead. Greedy
+    stays plain greedy either way."""
     from lookahead import fused_stack
     from lookahead.warmup_model import q8_0
 
@@ -144,7 +156,7 @@ def test_a_stack_mixing_4_bit_and_8_bit_layers_runs_fused(amx, monkeypatch):
     monkeypatch.setattr(fused_stack, "decoder_stack", lambda *args: calls.append(1) or real(*args))
     assert_plain_greedy(model, Lookahead(LookaheadConfig(amx_kernel=amx)), seeds=[0])
     kinds = {packed.panels.kind for packed in packed_weights(model) if packed.panels is not None}
-    assert "scaled8" in kinds and ("amx4" in kinds) == amx
+    assert ("amx8" if amx else "scaled8") in kinds and ("amx4" in kinds) == amx
     assert bool(calls) != amx
 
 
