@@ -21,7 +21,10 @@ products (a prompt's prefill) the oneDNN-packed weight — or, when the streamed
 PyTorch's default matmul or oneDNN on the layers' own weights (`set_large_kernel`, measured too): oneDNN's layout
 then is never built, which saves a full copy of the weights (the default model: 540 MB) and its packing time. (On
 the Intel machine the default matmul's prefills took within ±5% of oneDNN's time; on an AMD Zen 5 CPU, where MKL
-runs its AVX2 code, oneDNN's unpacked product took ~0.45x of its time.) Each layout is built on first use.
+runs its AVX2 code, oneDNN's unpacked product took ~0.45x of its time.) Or the streamed kernel computes every row
+count (`"streamed"`), where it was measured faster there too: on a CPU with AMX, whose tile kernels compute 16 rows
+of a block-form weight for little more than one (a 700-token prefill's products: 341 against 537 ms on the default
+matmul, session 55). Each layout is built on first use.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from . import affine_weights, amx_kernel, streamed_gemm
 _CACHE_ATTR = "_lookahead_packed_linears"
 # Sibling projections of one block that transformers' decoder layers call on the same input tensor.
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-LARGE_KERNELS = ("default", "onednn")  # what computes products above the streamed kernel's rows
+LARGE_KERNELS = ("default", "onednn", "streamed")  # what computes products above the streamed kernel's rows
 
 
 def packing_available(model: nn.Module) -> bool:
@@ -101,8 +104,8 @@ def set_streamed_rows(model: nn.Module, rows: int) -> None:
 
 def set_large_kernel(model: nn.Module, kernel: str) -> None:
     """Products above the streamed kernel's rows of `model`'s packed linear layers (a prefill) run PyTorch's
-    default matmul (`"default"`) or oneDNN on the layers' own weights (`"onednn"`); recorded as
-    `model._lookahead_large_kernel`. Raises `ValueError` for another name."""
+    default matmul (`"default"`), oneDNN on the layers' own weights (`"onednn"`) or the streamed kernel too
+    (`"streamed"`); recorded as `model._lookahead_large_kernel`. Raises `ValueError` for another name."""
     if kernel not in LARGE_KERNELS:
         raise ValueError(f"the large-product kernel must be one of {LARGE_KERNELS}, got {kernel!r}")
     for packed in packed_weights(model):
@@ -184,7 +187,8 @@ class _PackedWeights:
         self.derived_layouts: dict = {}  # layouts other modules build from these weights (`derived`)
         self.default_rows = 0  # products of at most this many rows use the linears' own weights
         self.streamed_rows = 0  # products of more rows, up to this many, use the streamed kernel
-        self.large = "default"  # above them (the streamed kernel in use): "default" matmul or "onednn" unpacked
+        self.large = "default"  # above them (the streamed kernel in use): "default" matmul, "onednn" unpacked or
+        # "streamed" (the streamed kernel for every row count)
         self.compact = True  # streamed panels in the weights' exact block form where they have one
         self.amx = True  # 4-bit block forms in the AMX kernel's layout where the CPU has AMX
 
@@ -249,14 +253,14 @@ def _stamp(parameters: list[dict]) -> list[tuple[int, int]]:
 def _linear(x: torch.Tensor, packed: _PackedWeights) -> torch.Tensor:
     """x [..., K] → [..., N]: for at most `packed.default_rows` rows with PyTorch's default matmul
     (`default_product`), for at most `packed.streamed_rows` with the streamed kernel (`streamed_product`), else
-    on the oneDNN-packed weight (`packed_product`) — or, when the streamed kernel is in use, the default matmul or
-    oneDNN on the layers' own weights (`packed.large`), so that oneDNN's copy of the weights is never made (see the
-    module docstring)."""
+    on the oneDNN-packed weight (`packed_product`) — or, when the streamed kernel is in use, the default matmul,
+    oneDNN on the layers' own weights or the streamed kernel again (`packed.large`), so that oneDNN's copy of the
+    weights is never made (see the module docstring)."""
     parts = linear_parts(x, packed)
     if parts is not None:
         return _joined(parts)
     rows = x.numel() // x.shape[-1]
-    if rows <= packed.streamed_rows:
+    if rows <= packed.streamed_rows or (packed.streamed_rows and packed.large == "streamed"):
         return streamed_product(x, packed)
     return packed_product(x, packed)
 
@@ -270,7 +274,7 @@ def linear_parts(x: torch.Tensor, packed: _PackedWeights) -> list[torch.Tensor] 
     rows = x.numel() // x.shape[-1]
     if rows <= packed.default_rows:
         return _each(x, packed, F.linear)
-    if rows <= packed.streamed_rows or not packed.streamed_rows:
+    if rows <= packed.streamed_rows or not packed.streamed_rows or packed.large == "streamed":
         return None
     return _each(x, packed, _onednn_linear if packed.large == "onednn" else F.linear)
 

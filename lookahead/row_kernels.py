@@ -8,14 +8,14 @@ packed weight's product of k random rows on each kernel, kernels and row counts 
 kernel. A row count whose first timed round already shows one kernel at most SETTLED_RATIO of the other's time is
 not timed again (the default matmul on few rows took 5x the streamed kernel's time on the AVX2 machine: timing it
 again only spent the first run's seconds).
-The answer is two row counts (`RowKernels`): up to `default_rows` rows the default matmul, up to `streamed_rows`
-the streamed kernel, above that oneDNN — or, when the streamed kernel is used at all, the default matmul or oneDNN
-on the layers' own weights, whichever a product of LARGE_PROBE rows measured faster (`large`; no copy of the
-weights in oneDNN's layout then; `packed_linear`). So where the streamed kernel is available it is weighed
-against the default matmul, the kernel that computes what it declines, and oneDNN is neither timed nor built;
-only when it wins at no row count is the choice measured again between the default matmul and oneDNN. The
-choice is cached in memory and on disk beside the cost curve, per model and machine (only the linear products
-are timed, so the attention and decoder-layer choices do not matter).
+The answer is two row counts and a kernel (`RowKernels`): up to `default_rows` rows the default matmul, up to `streamed_rows`
+the streamed kernel, above that oneDNN — or, when the streamed kernel is used at all, the default matmul, oneDNN
+on the layers' own weights or the streamed kernel itself, whichever a product of LARGE_PROBE rows measured fastest
+(`large`; no copy of the weights in oneDNN's layout then; `packed_linear`). So where the streamed kernel is
+available it is weighed against the default matmul, the kernel that computes what it declines, and oneDNN is
+only timed for the largest products; when the streamed kernel wins at no row count the choice is measured again
+between the default matmul and oneDNN. The choice is cached in memory and on disk beside the cost curve, per
+model and machine (only the linear products are timed, so the attention and decoder-layer choices do not matter).
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ MEASURE_BUDGET = 3.0  # seconds the timed rounds may take (at least 2 rounds)
 # over the weights, probed up to 64 rows; 4: the streamed kernel may stream weights in their exact block form;
 # 5: several panels at once for few rows, AVX2 register tiles for 4-bit blocks;
 # 6: products above the streamed kernel's rows weighed between the default matmul and unpacked oneDNN;
-# 7: AVX-512 kernels with more panels a pass and float16 block records).
-CHOICE_VERSION = 7
+# 7: AVX-512 kernels with more panels a pass and float16 block records; 8: the streamed kernel may compute the
+# large products too).
+CHOICE_VERSION = 8
 LARGE_PROBE = 128  # rows of the product (a short prompt's prefill) that decides the kernel above the streamed rows
 LARGE_ROUNDS = 3  # timed rounds of that product on each kernel
 SHAPED_FIRST_CALLS = ("packed", "onednn")  # kernels whose first call at each product shape pays for its setup
@@ -54,7 +55,7 @@ SETTLED_RATIO = 0.5  # after the first timed round, a row count where one kernel
 class RowKernels:
     """Products of at most `default_rows` rows run PyTorch's default matmul, of at most `streamed_rows` rows the
     streamed kernel, larger ones oneDNN's prepacked product (when `streamed_rows` > 0: the kernel `large` names,
-    the default matmul or oneDNN on the layers' own weights)."""
+    the default matmul, oneDNN on the layers' own weights or the streamed kernel)."""
 
     default_rows: int = 0
     streamed_rows: int = 0
@@ -72,8 +73,8 @@ class RowKernels:
             parts.append(f"{span} rows on {streamed}")
         if not parts:
             return "all products on oneDNN's packed weights"
-        larger = ({"default": "PyTorch's default matmul", "onednn": "oneDNN (unpacked)"}[self.large]
-                  if self.streamed_rows else "oneDNN's packed weights")
+        larger = ({"default": "PyTorch's default matmul", "onednn": "oneDNN (unpacked)", "streamed": streamed}[
+            self.large] if self.streamed_rows else "oneDNN's packed weights")
         return ", ".join(parts) + f", more on {larger}"
 
 
@@ -160,12 +161,13 @@ def measure_row_kernels(model, repeats: int = 7, budget_seconds: float = MEASURE
 
 
 def _choose_large(weights, budget_seconds: float) -> str:
-    """"onednn" when oneDNN's product on the layers' own weights needs at most KERNEL_MARGIN of the default
-    matmul's time for LARGE_PROBE rows of every weight (low quantile of up to LARGE_ROUNDS rounds after a warm-up:
-    as many as fit `budget_seconds`, at least one), else "default"."""
-    low = _low_times(weights, [(LARGE_PROBE, "default"), (LARGE_PROBE, "onednn")], LARGE_ROUNDS, budget_seconds,
-                     least=1)
-    return "onednn" if low[LARGE_PROBE, "onednn"] <= KERNEL_MARGIN * low[LARGE_PROBE, "default"] else "default"
+    """The fastest of oneDNN's product on the layers' own weights ("onednn") and the streamed kernel ("streamed")
+    when it needs at most KERNEL_MARGIN of the default matmul's time for LARGE_PROBE rows of every weight (low
+    quantile of up to LARGE_ROUNDS rounds after a warm-up: as many as fit `budget_seconds`, at least one), else
+    "default"."""
+    low = _low_times(weights, [(LARGE_PROBE, name) for name in LARGE_KERNELS], LARGE_ROUNDS, budget_seconds, least=1)
+    best = min(("onednn", "streamed"), key=lambda name: low[LARGE_PROBE, name])
+    return best if low[LARGE_PROBE, best] <= KERNEL_MARGIN * low[LARGE_PROBE, "default"] else "default"
 
 
 def _low_times(weights, plan: list[tuple[int, str]], repeats: int, budget_seconds: float,
@@ -197,13 +199,14 @@ def _warm_up(weights, plan: list[tuple[int, str]]) -> None:
 
 
 def _unsettled(plan: list[tuple[int, str]], times: dict) -> list[tuple[int, str]]:
-    """The entries of `plan` whose row count the timed rounds so far leave in question: every kernel's time there
-    more than SETTLED_RATIO of another's (a row count timed on one kernel only is never in question)."""
+    """The entries of `plan` whose row count the timed rounds so far leave in question: the fastest kernel's time
+    there more than SETTLED_RATIO of the next fastest's (a row count timed on one kernel only is never in
+    question)."""
     by_rows = {}
     for rows, name in plan:
         by_rows.setdefault(rows, []).append(min(times[rows, name]))
     open_rows = {rows for rows, seconds in by_rows.items()
-                 if len(seconds) > 1 and min(seconds) > SETTLED_RATIO * max(seconds)}
+                 if len(seconds) > 1 and sorted(seconds)[0] > SETTLED_RATIO * sorted(seconds)[1]}
     return [entry for entry in plan if entry[0] in open_rows]
 
 

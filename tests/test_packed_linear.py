@@ -164,6 +164,29 @@ def test_products_above_the_streamed_rows_run_unpacked_onednn_when_chosen(monkey
 
 
 @needs_streamed
+def test_products_above_the_streamed_rows_stay_on_the_streamed_kernel_when_chosen(monkeypatch):
+    """With the large kernel "streamed" a prefill-sized product of fused siblings runs the streamed kernel like a
+    step's: the stacked product split, neither the default matmul nor oneDNN called."""
+    import lookahead.packed_linear as packed_linear
+
+    torch.manual_seed(8)
+    linears = [nn.Linear(32, n) for n in (48, 16)]
+    group = FusedGroup(linears)
+    group.packed.streamed_rows, group.packed.large = 4, "streamed"
+    members = [FusedMember(group, i) for i in range(2)]
+    x = torch.randn(1, 40, 32)
+    expected = [linear(x) for linear in linears]
+    calls = []
+    real = packed_linear.streamed_product
+    monkeypatch.setattr(packed_linear, "streamed_product", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *args: pytest.fail("default matmul called"))
+    monkeypatch.setattr(packed_linear, "_onednn_linear", lambda *args: pytest.fail("oneDNN called"))
+    for i in (0, 1):
+        torch.testing.assert_close(members[i](x), expected[i], rtol=1e-5, atol=1e-5)
+    assert calls and group.packed.weight is None
+
+
+@needs_streamed
 def test_the_streamed_layout_follows_in_place_changes_and_fused_siblings_get_their_slices():
     torch.manual_seed(5)
     linears = [nn.Linear(32, n, bias=True) for n in (32, 16, 16)]

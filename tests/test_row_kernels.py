@@ -53,7 +53,7 @@ def _measure(monkeypatch, ms: dict, streamed: bool = True, **kwargs) -> tuple[Ro
         return measure_row_kernels(model, **kwargs), clock
 
 
-STREAM_FAST = lambda r: 2.0 + 0.01 * r  # noqa: E731 — the streamed kernel: nearly flat
+STREAM_FAST = lambda r: 2.0 + 0.01 * r if r <= TOP else 3.0 * r  # noqa: E731 — nearly flat, slow for a prefill
 ONEDNN = lambda r: 2.5 + 0.1 * r  # noqa: E731
 
 
@@ -75,7 +75,7 @@ def test_without_the_streamed_kernel_the_default_matmul_is_weighed_against_onedn
 
 @pytest.mark.parametrize("streamed_ms, expected", [(STREAM_FAST, RowKernels(0, TOP)),
                                                    (lambda r: 2.0 if r <= 8 else 9.0, RowKernels(0, 8)),
-                                                   (lambda r: 9.0 if r == 1 else 2.0, RowKernels(1, TOP)),
+                                                   (lambda r: 9.0 if r == 1 else 2.0, RowKernels(1, TOP, "streamed")),
                                                    (lambda r: 0.97 * 5.0, RowKernels(0, TOP))])
 def test_the_streamed_kernel_takes_the_probes_up_to_the_first_where_the_default_matmul_clearly_wins(
         monkeypatch, streamed_ms, expected):
@@ -104,6 +104,18 @@ def test_products_above_the_streamed_rows_take_unpacked_onednn_where_it_clearly_
     # a warm-up and the timed rounds: one when the first shows one kernel at half the other's time or less
     assert clock.calls["onednn"] == (1 + rounds) * WEIGHTS
     assert clock.calls["packed"] == 0
+
+
+@pytest.mark.parametrize("large_ms, expected", [(lambda r: 0.4 * r, "streamed"), (lambda r: 0.97 * r, "default")])
+def test_products_above_the_streamed_rows_stay_on_the_streamed_kernel_where_it_clearly_beats_the_others(
+        monkeypatch, large_ms, expected):
+    """A streamed kernel that computes a prefill's LARGE_PROBE rows in at most KERNEL_MARGIN of the default matmul's
+    time (and faster than oneDNN) computes every row count (the AMX kernels)."""
+    streamed = lambda r: STREAM_FAST(r) if r <= TOP else large_ms(r)  # noqa: E731
+    found, clock = _measure(monkeypatch, {"default": lambda r: 1.0 * r, "packed": ONEDNN, "streamed": streamed,
+                                          "onednn": lambda r: 0.5 * r}, repeats=2)
+    assert found == RowKernels(1, TOP, expected if expected == "streamed" else "onednn")
+    assert clock.passes["streamed", row_kernels.LARGE_PROBE] > 0
 
 
 def test_without_the_streamed_kernel_unpacked_onednn_is_not_timed(monkeypatch):
@@ -197,5 +209,7 @@ def test_describe_names_each_kernel_and_its_rows():
     assert RowKernels(2, 3).describe() == ("up to 2 rows on PyTorch's default matmul, 3 rows on the streamed kernel, "
                                            "more on PyTorch's default matmul")
     assert RowKernels(0, 64, "onednn").describe() == "1–64 rows on the streamed kernel, more on oneDNN (unpacked)"
+    assert RowKernels(0, 64, "streamed").describe("the AMX kernel") == ("1–64 rows on the AMX kernel, more on the AMX "
+                                                                        "kernel")
     assert RowKernels(2, 0, "onednn").describe() == ("up to 2 rows on PyTorch's default matmul, more on oneDNN's "
                                                      "packed weights")
