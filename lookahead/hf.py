@@ -189,7 +189,7 @@ def generation_arithmetic(model, config: LookaheadConfig, refresh: bool = False)
             kernels = chosen_row_kernels(model, config, refresh)
             apply_row_kernels(model, kernels)
             amx = getattr(model, "_lookahead_compact_weights", None) == "amx"
-            streamed = "the streamed kernel (4-bit layers: the AMX kernel)" if amx else "the streamed kernel"
+            streamed = "the streamed kernel (block-form weights: the AMX kernels)" if amx else "the streamed kernel"
             linear = f"{packed} linear layers prepacked: {kernels.describe(streamed)}"
         attention = "lookahead_tree attention" if tree else f"{model.config._attn_implementation} attention"
         yield f"{linear}, {attention}" + (f", {lean} lean decoder layers" if lean else "")
