@@ -21,9 +21,9 @@ products (a prompt's prefill) the oneDNN-packed weight — or, when the streamed
 PyTorch's default matmul or oneDNN on the layers' own weights (`set_large_kernel`, measured too): oneDNN's layout
 then is never built, which saves a full copy of the weights (the default model: 540 MB) and its packing time. (On
 the Intel machine the default matmul's prefills took within ±5% of oneDNN's time; on an AMD Zen 5 CPU, where MKL
-runs its AVX2 code, oneDNN's unpacked product took ~0.45x of its time.) Or the streamed kernel computes every row
-count (`"streamed"`), where it was measured faster there too: on a CPU with AMX, whose tile kernels compute 16 rows
-of a block-form weight for little more than one (a 700-token prefill's products: 341 against 537 ms on the default
+runs its AVX2 code, oneDNN's unpacked product took ~0.45x of its time.) Or, where every weight is held for the AMX
+kernels (16 rows of a block-form weight for little more than one), the streamed kernel computes every row count
+(`"streamed"`) when it measured faster there too (a 700-token prefill's products: 341 against 537 ms on the default
 matmul, session 55). Each layout is built on first use.
 """
 
@@ -57,7 +57,8 @@ def packed_linears(model: nn.Module, enabled: bool = True, compact: bool = True,
     layers were swapped (0 when disabled or nothing is packable). The originals are restored on exit, also on
     error. Not re-entrant for the same model (a nested call swaps nothing more). `compact`: the streamed kernel
     holds weights that have an exact 4-bit or 8-bit block form in it (`affine_weights`), else always float32; `amx`:
-    4-bit ones in the AMX kernel's layout where the CPU has AMX (`amx_kernel`)."""
+    4-bit ones in the AMX kernel's layout where the CPU has AMX (`amx_kernel`), 8-bit ones in the AMX-INT8 kernel's
+    where it has AMX-INT8 (`amx_int8`)."""
     if not enabled or not torch.backends.mkldnn.is_available() or getattr(model, "_lookahead_packed_on", False):
         yield 0
         return
@@ -115,8 +116,8 @@ def set_large_kernel(model: nn.Module, kernel: str) -> None:
 
 def set_compact_weights(model: nn.Module, compact: bool, amx: bool = True) -> None:
     """Whether the streamed kernel's panels of `model`'s packed weights hold weights with an exact block form in
-    it (`affine_weights`; panels built the other way are dropped), and with `amx` 4-bit ones in the AMX kernel's
-    layout where the CPU has AMX; recorded as `model._lookahead_compact_weights` (True, False or "amx": the cost
+    it (`affine_weights`; panels built the other way are dropped), and with `amx` in the AMX kernels' layouts
+    where the CPU has AMX; recorded as `model._lookahead_compact_weights` (True, False or "amx": the cost
     curve's and the kernel choice's cache keys read it)."""
     for packed in packed_weights(model):
         if (packed.compact, packed.amx) != (compact, amx):
@@ -190,7 +191,7 @@ class _PackedWeights:
         self.large = "default"  # above them (the streamed kernel in use): "default" matmul, "onednn" unpacked or
         # "streamed" (the streamed kernel for every row count)
         self.compact = True  # streamed panels in the weights' exact block form where they have one
-        self.amx = True  # 4-bit block forms in the AMX kernel's layout where the CPU has AMX
+        self.amx = True  # block forms in the AMX kernels' layouts where the CPU has AMX (4-bit) or AMX-INT8 (8-bit)
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(oneDNN-packed weight, bias or None), fresh for the current parameters."""

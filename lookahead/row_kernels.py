@@ -8,14 +8,15 @@ packed weight's product of k random rows on each kernel, kernels and row counts 
 kernel. A row count whose first timed round already shows one kernel at most SETTLED_RATIO of the other's time is
 not timed again (the default matmul on few rows took 5x the streamed kernel's time on the AVX2 machine: timing it
 again only spent the first run's seconds).
-The answer is two row counts and a kernel (`RowKernels`): up to `default_rows` rows the default matmul, up to `streamed_rows`
-the streamed kernel, above that oneDNN — or, when the streamed kernel is used at all, the default matmul, oneDNN
-on the layers' own weights or the streamed kernel itself, whichever a product of LARGE_PROBE rows measured fastest
-(`large`; no copy of the weights in oneDNN's layout then; `packed_linear`). So where the streamed kernel is
-available it is weighed against the default matmul, the kernel that computes what it declines, and oneDNN is
-only timed for the largest products; when the streamed kernel wins at no row count the choice is measured again
-between the default matmul and oneDNN. The choice is cached in memory and on disk beside the cost curve, per
-model and machine (only the linear products are timed, so the attention and decoder-layer choices do not matter).
+The answer is two row counts and a kernel (`RowKernels`): up to `default_rows` rows the default matmul, up to
+`streamed_rows` the streamed kernel, above that oneDNN — or, when the streamed kernel is used at all, the default
+matmul, oneDNN on the layers' own weights or the streamed kernel itself, whichever a product of LARGE_PROBE rows
+measured fastest (`large`; no copy of the weights in oneDNN's layout then; `packed_linear`). So where the streamed
+kernel is available it is weighed against the default matmul, the kernel that computes what it declines, and
+oneDNN is only timed for the largest products; when the streamed kernel wins at no row count the choice is
+measured again between the default matmul and oneDNN. The choice is cached in memory and on disk beside the cost
+curve, per model and machine (only the linear products are timed, so the attention and decoder-layer choices do
+not matter).
 """
 
 from __future__ import annotations
@@ -157,16 +158,27 @@ def measure_row_kernels(model, repeats: int = 7, budget_seconds: float = MEASURE
     chosen = _choose_streamed(low)
     if not chosen.streamed_rows:
         return measure_row_kernels(model, repeats, budget_seconds, streamed=False)
-    return replace(chosen, large=_choose_large(weights, budget_seconds))
+    return replace(chosen, large=_choose_large(weights, budget_seconds, _tiled(weights)))
 
 
-def _choose_large(weights, budget_seconds: float) -> str:
-    """The fastest of oneDNN's product on the layers' own weights ("onednn") and the streamed kernel ("streamed")
-    when it needs at most KERNEL_MARGIN of the default matmul's time for LARGE_PROBE rows of every weight (low
-    quantile of up to LARGE_ROUNDS rounds after a warm-up: as many as fit `budget_seconds`, at least one), else
-    "default"."""
-    low = _low_times(weights, [(LARGE_PROBE, name) for name in LARGE_KERNELS], LARGE_ROUNDS, budget_seconds, least=1)
-    best = min(("onednn", "streamed"), key=lambda name: low[LARGE_PROBE, name])
+def _tiled(weights) -> bool:
+    """Whether every packed weight's streamed panels are held for the AMX kernels (`streamed_gemm.AMX_KINDS`)."""
+    from . import streamed_gemm
+
+    return all(packed.streamed().kind in streamed_gemm.AMX_KINDS for packed in weights)
+
+
+def _choose_large(weights, budget_seconds: float, tiles: bool = False) -> str:
+    """The fastest of oneDNN's product on the layers' own weights ("onednn") and, with `tiles`, the streamed kernel
+    ("streamed") when it needs at most KERNEL_MARGIN of the default matmul's time for LARGE_PROBE rows of every
+    weight (low quantile of up to LARGE_ROUNDS rounds after a warm-up: as many as fit `budget_seconds`, at least
+    one), else "default". `tiles`: every weight is held for the AMX kernels, which compute 16 rows a pass over the
+    weights for little more than one; the other streamed kernels take a few rows a pass, so a prefill would stream
+    the weights many times over and is not worth timing (a large model's first measurement would take minutes)."""
+    candidates = ("onednn", "streamed") if tiles else ("onednn",)
+    low = _low_times(weights, [(LARGE_PROBE, name) for name in ("default", *candidates)], LARGE_ROUNDS,
+                     budget_seconds, least=1)
+    best = min(candidates, key=lambda name: low[LARGE_PROBE, name])
     return best if low[LARGE_PROBE, best] <= KERNEL_MARGIN * low[LARGE_PROBE, "default"] else "default"
 
 

@@ -44,10 +44,14 @@ class _FakeClock:
         return product
 
 
-def _measure(monkeypatch, ms: dict, streamed: bool = True, **kwargs) -> tuple[RowKernels, _FakeClock]:
+def _measure(monkeypatch, ms: dict, streamed: bool = True, tiles: bool = True,
+             **kwargs) -> tuple[RowKernels, _FakeClock]:
+    """`measure_row_kernels` of a tiny model on fake kernels taking `ms[kernel](rows)` per pass; `tiles`: its
+    weights count as held for the AMX kernels (the streamed kernel is then a candidate for large products)."""
     clock = _FakeClock({"onednn": ms["default"], **ms})  # unpacked oneDNN ties with the default matmul unless given
     clock.install(monkeypatch)
     monkeypatch.setattr(streamed_gemm, "available", lambda: streamed)
+    monkeypatch.setattr(row_kernels, "_tiled", lambda weights: tiles)
     model = build_tiny_model("llama", dtype=torch.float32)
     with packed_linears(model):
         return measure_row_kernels(model, **kwargs), clock
@@ -116,6 +120,13 @@ def test_products_above_the_streamed_rows_stay_on_the_streamed_kernel_where_it_c
                                           "onednn": lambda r: 0.5 * r}, repeats=2)
     assert found == RowKernels(1, TOP, expected if expected == "streamed" else "onednn")
     assert clock.passes["streamed", row_kernels.LARGE_PROBE] > 0
+
+
+def test_without_the_amx_kernels_large_products_never_time_the_streamed_kernel(monkeypatch):
+    """The other streamed kernels take a few rows a pass over the weights: a prefill on them is not timed."""
+    found, clock = _measure(monkeypatch, {"default": lambda r: 1.0 * r, "packed": ONEDNN, "streamed": STREAM_FAST,
+                                          "onednn": lambda r: 0.5 * r}, tiles=False, repeats=2)
+    assert found == RowKernels(1, TOP, "onednn") and clock.passes["streamed", row_kernels.LARGE_PROBE] == 0
 
 
 def test_without_the_streamed_kernel_unpacked_onednn_is_not_timed(monkeypatch):
