@@ -68,14 +68,16 @@ class RowKernels:
         parts = []
         if self.default_rows:
             parts.append(f"up to {self.default_rows} rows on PyTorch's default matmul")
+        if self.streamed_rows and self.large == "streamed":
+            return ", ".join(parts + [f"{'more' if parts else 'all rows'} on {streamed}"])
         if self.streamed_rows > self.default_rows:
             first = self.default_rows + 1
             span = f"{first}–{self.streamed_rows}" if self.streamed_rows > first else f"{first}"
             parts.append(f"{span} rows on {streamed}")
         if not parts:
             return "all products on oneDNN's packed weights"
-        larger = ({"default": "PyTorch's default matmul", "onednn": "oneDNN (unpacked)", "streamed": streamed}[
-            self.large] if self.streamed_rows else "oneDNN's packed weights")
+        larger = ({"default": "PyTorch's default matmul", "onednn": "oneDNN (unpacked)"}[self.large]
+                  if self.streamed_rows else "oneDNN's packed weights")
         return ", ".join(parts) + f", more on {larger}"
 
 

@@ -220,7 +220,8 @@ def test_describe_names_each_kernel_and_its_rows():
     assert RowKernels(2, 3).describe() == ("up to 2 rows on PyTorch's default matmul, 3 rows on the streamed kernel, "
                                            "more on PyTorch's default matmul")
     assert RowKernels(0, 64, "onednn").describe() == "1–64 rows on the streamed kernel, more on oneDNN (unpacked)"
-    assert RowKernels(0, 64, "streamed").describe("the AMX kernel") == ("1–64 rows on the AMX kernel, more on the AMX "
-                                                                        "kernel")
+    assert RowKernels(0, 64, "streamed").describe("the AMX kernel") == "all rows on the AMX kernel"
+    assert RowKernels(2, 64, "streamed").describe() == ("up to 2 rows on PyTorch's default matmul, more on the "
+                                                        "streamed kernel")
     assert RowKernels(2, 0, "onednn").describe() == ("up to 2 rows on PyTorch's default matmul, more on oneDNN's "
                                                      "packed weights")
