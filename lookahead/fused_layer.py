@@ -35,8 +35,8 @@ _ATTENTIONS = ("sdpa", "lookahead_tree")  # implementations whose meaning the fu
 _EXTRAS = ("position_bias", "cache", "softcap", "s_aux", "output_attentions")  # attention features it lacks
 _NO_MASK = np.empty((0, 0), np.float32)
 _NUMBA_ATTENTION = np.empty(0, np.int64)  # no compiled attention loops: numba's
-# panels computing the weights' own products (int8: approximations)
-_KINDS = ("float32", "affine4", "affine4h", "scaled8", "amx4", "amx8")
+# panels computing the weights' own products (int8: approximations), the tile kernels' records among them
+_KINDS = ("float32", "affine4", "affine4h", "scaled8", *streamed_gemm.AMX_KINDS)
 # With numba's attention loops (heads not a multiple of 8 floats), steps of more rows × slots than this attend with
 # PyTorch's SDPA between two compiled calls: numba's loops computed each (row, head) on its own, quicker for a few
 # rows and short caches; SDPA's blocked products for more (whole steps of the default model, AVX2, 2 threads: about

@@ -219,8 +219,8 @@ def _unsettled(plan: list[tuple[int, str]], times: dict) -> list[tuple[int, str]
     by_rows = {}
     for rows, name in plan:
         by_rows.setdefault(rows, []).append(min(times[rows, name]))
-    open_rows = {rows for rows, seconds in by_rows.items()
-                 if len(seconds) > 1 and sorted(seconds)[0] > SETTLED_RATIO * sorted(seconds)[1]}
+    fastest = {rows: sorted(seconds)[:2] for rows, seconds in by_rows.items()}
+    open_rows = {rows for rows, two in fastest.items() if len(two) > 1 and two[0] > SETTLED_RATIO * two[1]}
     return [entry for entry in plan if entry[0] in open_rows]
 
 
