@@ -87,6 +87,11 @@ def records(scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     return body
 
 
+def group_bytes(in_features: int) -> int:
+    """Bytes of one whole group's (16 rows') prepared inputs in the scratch (`amx_kernel.group_bytes`)."""
+    return amx_kernel.group_bytes(in_features, _region_bytes)
+
+
 def scratch_floats(rows: int, in_features: int) -> int:
     """Floats of scratch `transpose` needs for `rows` rows of width `in_features`: every group's pieces and block
     scales, 64-byte aligned."""

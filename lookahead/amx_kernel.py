@@ -105,6 +105,12 @@ def scratch_floats(rows: int, in_features: int, region_bytes=None) -> int:
     return (64 + sum(region_bytes(size, in_features) for size in groups)) // 4
 
 
+def group_bytes(in_features: int, region_bytes=None) -> int:
+    """Bytes of one whole group's (GROUP rows') prepared inputs in the scratch, a multiple of 64: group g's start
+    `transpose` lays out g of them after the scratch's first 64-byte boundary. `region_bytes` as `scratch_floats`."""
+    return (_region_bytes if region_bytes is None else region_bytes)(GROUP, in_features)
+
+
 def _region_bytes(rows: int, in_features: int) -> int:
     """Bytes of one group's prepared inputs: its pieces [K/32 + 1, PIECES, rows, 32] bfloat16 (a zero block last),
     then its block sums [K/32, rows] float32, rounded up to 64."""

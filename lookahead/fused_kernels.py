@@ -110,17 +110,23 @@ def _exp_below(scores, length, top, powers):  # pragma: no cover - compiled
     for s in range(length):
         x = scores[s] - top
         kept = x >= EXP_FLOOR
-        x = max(x, EXP_FLOOR)
-        n = np.floor(x * LOG2E + np.float32(0.5))
-        r = x - n * EXP_LN2[0] - n * EXP_LN2[1]
-        p = EXP_POLYNOMIAL[0]
-        p = p * r + EXP_POLYNOMIAL[1]
-        p = p * r + EXP_POLYNOMIAL[2]
-        p = p * r + EXP_POLYNOMIAL[3]
-        p = p * r + EXP_POLYNOMIAL[4]
-        p = p * r + EXP_POLYNOMIAL[5]
-        scores[s] = p * r * r + r + np.float32(1.0)
-        bits[s] = ((np.int32(n) + np.int32(127)) << 23) if kept else np.int32(0)
+        scores[s], n = exp_parts(max(x, EXP_FLOOR))
+        bits[s] = ((n + np.int32(127)) << 23) if kept else np.int32(0)
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"contract"}, inline="always")
+def exp_parts(x):  # pragma: no cover - compiled
+    """(e^r, n) with e^x = e^r · 2^n for float32 x in [EXP_FLOOR, 88]: Cephes' single-precision formula
+    (`vector_ir`), inlined into the loops that call it so that they vectorise."""
+    n = np.floor(x * LOG2E + np.float32(0.5))
+    r = x - n * EXP_LN2[0] - n * EXP_LN2[1]
+    p = EXP_POLYNOMIAL[0]
+    p = p * r + EXP_POLYNOMIAL[1]
+    p = p * r + EXP_POLYNOMIAL[2]
+    p = p * r + EXP_POLYNOMIAL[3]
+    p = p * r + EXP_POLYNOMIAL[4]
+    p = p * r + EXP_POLYNOMIAL[5]
+    return p * r * r + r + np.float32(1.0), np.int32(n)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_REDUCE)

@@ -21,7 +21,10 @@ packed, and layers that already carry a forward of their own (e.g. accelerate's 
 
 With `fused` (as generation runs them), a step whose products all run on the streamed kernel runs each layer as one
 compiled call instead (`fused_layer.py`): the same products, the norms, attention and SiLU in their own order, so
-those steps' logits equal this forward's in all but the last bits.
+those steps' logits equal this forward's in all but the last bits. So do a prompt's: with `fused`, the norms, RoPE
+and SiLU gating of a forward of one sequence of at least `prefill_kernels.ROWS` rows run as compiled passes split
+between the threads (`prefill_kernels.py`; RoPE and the residual adds the same bits, the norms' sums and SiLU's exp
+their own).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import fused_stack
+from . import fused_stack, prefill_kernels
 from .compat import CACHE_KWARG, pop_cache
 from .fused_layer import FusedLayer
 from .packed_linear import FusedMember, PackedLinear, _linear, linear_parts
@@ -137,6 +140,7 @@ class LeanForward:
         self.window_kwargs = {} if window is None else {"sliding_window": window(attn)}
         modeling = sys.modules[type(attn).__module__]  # the architecture's own helpers, called as its layer does
         self.eager = getattr(modeling, "eager_attention_forward", None)
+        self.compiled_prefill = fused  # a prompt's norms, RoPE and SiLU on `prefill_kernels`
         self.fused = None
         if fused and FusedLayer.supports(layer):
             self.fused = FusedLayer(layer, self.head_dim, self.query_heads, self.rotated_heads - self.query_heads,
@@ -158,10 +162,16 @@ class LeanForward:
                              self.window_kwargs.get("sliding_window"), kwargs)
             if out is not None:
                 return out
-        attended = self._attention(self.input_norm(hidden_states), attention_mask,
-                                   position_ids, past_key_values, use_cache, position_embeddings, kwargs)
-        hidden_states = attended.add_(hidden_states)  # = hidden_states + attended: addition commutes exactly
-        return self._mlp(self.post_norm(hidden_states)).add_(hidden_states)
+        compiled = self.compiled_prefill and prefill_kernels.applies(hidden_states)
+        normed = (prefill_kernels.rms_norm(hidden_states, self.input_norm.weight, self.input_norm.eps) if compiled
+                  else self.input_norm(hidden_states))
+        attended = self._attention(normed, attention_mask, position_ids, past_key_values, use_cache,
+                                   position_embeddings, kwargs, compiled)
+        if compiled:  # attended += hidden_states in place, then the norm, in one pass
+            normed = prefill_kernels.add_rms_norm(attended, hidden_states, self.post_norm.weight, self.post_norm.eps)
+        else:
+            normed = self.post_norm(attended.add_(hidden_states))  # addition commutes exactly
+        return self._mlp(normed, compiled).add_(attended)
 
     def _handles(self, hidden_states: torch.Tensor, position_embeddings, kwargs: dict) -> bool:
         """Whether this call is one the lean forward computes (else the layer's own forward runs)."""
@@ -170,10 +180,12 @@ class LeanForward:
                 and not kwargs.get("output_attentions"))
 
     def _attention(self, x: torch.Tensor, attention_mask, position_ids, past_key_values, use_cache,
-                   position_embeddings, kwargs: dict) -> torch.Tensor:
-        """The self-attention block's output (after o_proj) for the normed input `x` `[B, T, hidden]`."""
+                   position_embeddings, kwargs: dict, compiled: bool = False) -> torch.Tensor:
+        """The self-attention block's output (after o_proj) for the normed input `x` `[B, T, hidden]` (`compiled`:
+        RoPE on `prefill_kernels`)."""
         attn = self.layer.self_attn
-        query, key, value = self._rotated_heads(x, attn.q_proj.group.packed, self.rotary(position_embeddings))
+        query, key, value = self._rotated_heads(x, attn.q_proj.group.packed, self.rotary(position_embeddings),
+                                                compiled)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, attn.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
@@ -181,28 +193,43 @@ class LeanForward:
                         position_ids=position_ids, use_cache=use_cache, **self.window_kwargs, **kwargs)
         return _project(out.reshape(*x.shape[:2], -1).contiguous(), attn.o_proj)
 
-    def _rotated_heads(self, x: torch.Tensor, packed, factors: tuple[torch.Tensor, torch.Tensor]):
+    def _rotated_heads(self, x: torch.Tensor, packed, factors: tuple[torch.Tensor, torch.Tensor],
+                       compiled: bool = False):
         """(query, key, value) `[B, heads, T, D]` of the normed input `x` `[B, T, hidden]`, RoPE applied to query and
         key with `factors` = (cos, folded sin): from the stacked q/k/v product, or from the three products apart
-        where `_linear` computes them one by one (a prefill: no concatenation, then the same per-element RoPE)."""
+        where `_linear` computes them one by one (a prefill: no concatenation, then the same per-element RoPE);
+        `compiled` (one sequence): RoPE on `prefill_kernels`, the same numbers."""
         batch, rows, _ = x.shape
+        rope = self._compiled_rope(factors) if compiled else None
         parts = linear_parts(x, packed)
         if parts is not None:
             query, key, value = (part.view(batch, rows, -1, self.head_dim).transpose(1, 2) for part in parts)
+            if rope is not None:
+                return rope(parts[0], query.shape[1]), rope(parts[1], key.shape[1]), value
             return _rope(query, factors, self.head_dim), _rope(key, factors, self.head_dim), value
         stacked = _linear(x, packed)  # [B, T, q + k + v]
         heads = stacked.view(batch, rows, -1, self.head_dim).transpose(1, 2)  # [B, q + k + v heads, T, D]
-        query_key = _rope(heads[:, :self.rotated_heads], factors, self.head_dim)  # q and k at once
+        query_key = (rope(stacked, self.rotated_heads) if rope is not None  # q and k at once
+                     else _rope(heads[:, :self.rotated_heads], factors, self.head_dim))
         return query_key[:, :self.query_heads], query_key[:, self.query_heads:], heads[:, self.rotated_heads:]
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP block's output for the normed input `x`: down(act(gate(x)) * up(x))."""
+    @staticmethod
+    def _compiled_rope(factors: tuple[torch.Tensor, torch.Tensor]):
+        """`rope(states, heads)`: `prefill_kernels.rope` of one sequence's states with `factors` [1, 1, T, D]."""
+        cos, folded_sin = (factor[0, 0] for factor in factors)
+        return lambda states, heads: prefill_kernels.rope(states, heads, cos, folded_sin)
+
+    def _mlp(self, x: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+        """The MLP block's output for the normed input `x`: down(act(gate(x)) * up(x)) (`compiled`: SiLU gating on
+        `prefill_kernels`)."""
         mlp = self.layer.mlp
         parts = linear_parts(x, mlp.gate_proj.group.packed)  # gate and up apart (a prefill), or None: stacked
         if parts is None:
             gate_up = _linear(x, mlp.gate_proj.group.packed)  # [B, T, 2 × intermediate]
             parts = gate_up[..., :self.intermediate], gate_up[..., self.intermediate:]
         gate, up = parts
+        if compiled and self.silu:
+            return _project(prefill_kernels.silu_times(gate, up), mlp.down_proj)
         # The activation runs on a contiguous gate (a copy of the stacked product's half), the layout the layer's
         # own forward hands it: CPU kernels round the elements of a vector loop's tail differently (exp, erf), and
         # where the tails fall depends on the layout (and on how the threads split the work). SiLU then runs in

@@ -107,19 +107,29 @@ def test_each_rows_sums_do_not_depend_on_the_rows_or_threads_computing_it():
 
 def assert_rows_and_threads_do_not_matter(packed) -> None:
     """Each of 35 rows' product with `packed` is the same bits alone, among the first few rows, among all and on
-    one thread."""
-    x = torch.randn(35, packed.in_features, generator=torch.Generator().manual_seed(4))
-    together = streamed_gemm.product(x, packed)
+    one thread; so is each of 100 rows' (a prompt's: prepared by all the threads), also when one thread prepares
+    them all."""
+    x = torch.randn(100, packed.in_features, generator=torch.Generator().manual_seed(4))
+    together = streamed_gemm.product(x[:35], packed)
     for row in range(35):
         assert torch.equal(streamed_gemm.product(x[row:row + 1], packed)[0], together[row])
     for count in (2, 4, 5, 9):
         assert torch.equal(streamed_gemm.product(x[:count], packed), together[:count])
-    threads = torch.get_num_threads()
+    assert 100 > streamed_gemm.PREPARED_APART * amx_kernel.GROUP
+    many = streamed_gemm.product(x, packed)
+    assert torch.equal(many[:35], together)
+    for row in (64, 80, 99):
+        assert torch.equal(streamed_gemm.product(x[row:row + 1], packed)[0], many[row])
+    threads, apart = torch.get_num_threads(), streamed_gemm.PREPARED_APART
     try:
         torch.set_num_threads(1)
-        assert torch.equal(streamed_gemm.product(x, packed), together)
+        assert torch.equal(streamed_gemm.product(x[:35], packed), together)
+        torch.set_num_threads(threads)
+        streamed_gemm.PREPARED_APART = len(x)  # one thread prepares every row before the threads start
+        assert torch.equal(streamed_gemm.product(x, packed), many)
     finally:
         torch.set_num_threads(threads)
+        streamed_gemm.PREPARED_APART = apart
 
 
 def test_products_of_the_streamed_kinds_share_one_prepare_call():
@@ -181,6 +191,25 @@ def test_greedy_on_the_amx_kernel_is_plain_greedy(family, extra, config, monkeyp
     built = [packed.panels.kind for packed in packed_weights(model) if packed.panels is not None]
     assert built.count("amx4") == (3 * 3 if extra else 3 * 4)
     assert model._lookahead_compact_weights == "amx"
+
+
+@needs_amx
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_with_long_prompts_prefilled_on_the_amx_kernel_is_plain_greedy(family, monkeypatch):
+    """A prompt of several groups of rows, every product of it on the AMX kernel (the large kernel "streamed"),
+    its rows prepared by all the threads, and its norms, RoPE and SiLU on `prefill_kernels`."""
+    monkeypatch.setattr(hf, "row_kernels_for", lambda model, refresh=False, quiet=False: RowKernels(0, 64, "streamed"))
+    prepared = []
+    launch = streamed_gemm._launch_groups
+    monkeypatch.setattr(streamed_gemm, "_launch_groups", lambda *args: prepared.append(args[2]) or launch(*args))
+    model = _affine_model(family, hidden_size=64, intermediate_size=128)
+    for seed in range(2):
+        prompt = repetitive_prompt(seed, length=120)
+        plain = model.generate(prompt, do_sample=False, max_new_tokens=30)
+        fast = model.generate(prompt, do_sample=False, max_new_tokens=30, custom_generate=Lookahead())
+        assert torch.equal(plain, fast), seed
+    if torch.get_num_threads() > 1:
+        assert prepared and set(prepared) == {120}
 
 
 @needs_amx
