@@ -153,6 +153,25 @@ def warm(part: str) -> None:
     for config, kwargs, seed in _runs(part):
         decoder = Lookahead(config, cost_curve=WARMUP_CURVE, seed=seed)
         model.generate(prompt, max_new_tokens=32, custom_generate=decoder, **kwargs)
+    if part == "model":
+        _tile_products()
+
+
+def _tile_products() -> None:
+    """A prompt-sized product on each tile kernel this CPU runs (`streamed_gemm._launch_groups`): a real prompt's
+    products run there only where the machine's measurement chose the tile kernels for them, which the pinned
+    arithmetic above does not."""
+    import torch
+
+    from . import affine_weights, streamed_gemm
+    from .warmup_model import q4_1, q8_0
+
+    weight = torch.randn(32, 128, generator=torch.Generator().manual_seed(0))
+    rows = 2 * streamed_gemm.PREPARED_APART * 16
+    for form in (q4_1, q8_0):
+        packed = affine_weights.pack_stacked([form(weight)])
+        if packed.kind in streamed_gemm.AMX_KINDS:
+            streamed_gemm.product(torch.zeros(rows, 128), packed)
 
 
 def _runs(part: str) -> list[tuple]:

@@ -210,7 +210,7 @@ def product(x: torch.Tensor, weight: StreamedWeight) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=torch.float32)
     threads = min(numba_threads(torch.get_num_threads()), blocks)
     address, transpose = _kernel_address(weight.kind)
-    if weight.kind in AMX_KINDS and rows > PREPARED_APART * amx_kernel.GROUP and threads > 1:
+    if weight.kind in AMX_KINDS and rows > PREPARED_APART * amx_kernel.GROUP:
         _launch_groups(address, transpose, rows, x.data_ptr(), xt.data_ptr(), panels.data_ptr(), out.data_ptr(), k,
                        n, blocks, threads, AMX_KINDS[weight.kind].group_bytes(k))
     else:

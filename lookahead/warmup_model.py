@@ -66,8 +66,9 @@ def q8_0(weight: torch.Tensor) -> torch.Tensor:
     return (scale * codes.to(torch.int8).float()).reshape(n, k)  # integer codes: a zero weight is +0, never -0
 
 
-def warmup_prompt(length: int = 48) -> torch.Tensor:
-    """[1, length] token ids whose second half repeats the first, so that prompt lookup finds continuations."""
+def warmup_prompt(length: int = 80) -> torch.Tensor:
+    """[1, length] token ids whose second half repeats the first, so that prompt lookup finds continuations; long
+    enough for a prompt's compiled passes (`prefill_kernels.ROWS`)."""
     generator = torch.Generator().manual_seed(0)
     head = torch.randint(0, VOCAB, (1, length // 2), generator=generator)
     return torch.cat([head, head], dim=1)

@@ -11,7 +11,7 @@ import numba
 import pytest
 import torch
 
-from lookahead import affine_weights, kernel_warmup, numba_cache
+from lookahead import affine_weights, amx_kernel, kernel_warmup, numba_cache
 from lookahead.warmup_model import q4_1, q8_0, warmup_model
 
 # Generates with the default model (pinned arithmetic, a fixed cost curve: nothing measured) greedily and sampled,
@@ -23,9 +23,11 @@ from lookahead.models import load_model
 from lookahead.warmup_model import WARMUP_CONFIG, WARMUP_CURVE
 model, tokenizer = load_model()
 ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
-for kwargs in ({"do_sample": False}, {"do_sample": True, "temperature": 0.7}):
+long = tokenizer("def f(n): return n if n < 2 else f(n - 1) + f(n - 2). " * 8, return_tensors="pt").input_ids
+for prompt, kwargs in ((ids, {"do_sample": False}), (ids, {"do_sample": True, "temperature": 0.7}),
+                       (long, {"do_sample": False})):
     decoder = Lookahead(WARMUP_CONFIG, cost_curve=WARMUP_CURVE)
-    model.generate(ids, max_new_tokens=16, custom_generate=decoder, **kwargs)
+    model.generate(prompt, max_new_tokens=16, custom_generate=decoder, **kwargs)
 missed = {f"{value.py_func.__module__}.{value.py_func.__name__}" for name, module in list(sys.modules.items())
           if name.startswith("lookahead") for value in vars(module).values()
           if isinstance(value, numba.core.dispatcher.Dispatcher) and sum(value.stats.cache_misses.values())}
@@ -212,6 +214,8 @@ def test_after_the_helper_the_default_model_generates_without_compiling(tmp_path
     before = helper[:helper.index("decoder_stack")]
     assert not {"_find_blocks", "_code_lanes", "_slack_rows", "_reaching"} & set(before), helper
     assert "_find_blocks" in set(here) | set(helper[helper.index("decoder_stack"):])
+    assert {"_norm_rows", "_rope_rows", "_silu_rows"} <= set(helper)  # a prompt's compiled passes
+    assert ("_launch_groups" in helper) == amx_kernel.available()  # a prompt's rows on the tile kernels
     done = subprocess.run([sys.executable, "-c", MISSES], env=env, check=True, timeout=900, capture_output=True,
                           text=True)
     missed = done.stdout.split()

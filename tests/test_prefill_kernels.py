@@ -81,13 +81,12 @@ def test_it_applies_to_one_long_float32_sequence():
 
 
 @needs_kernels
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family, extra", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8})],
+                         ids=["llama", "qwen2", "mistral-sliding"])
 @pytest.mark.parametrize("config", [LookaheadConfig(), LookaheadConfig.off()], ids=["speculate", "off"])
-def test_greedy_with_long_prompts_through_them_is_plain_greedy(family, config, monkeypatch):
-    calls = {name: 0 for name in ("rms_norm", "add_rms_norm", "rope", "silu_times")}
-    for name in calls:
-        monkeypatch.setattr(prefill_kernels, name, _counted(getattr(prefill_kernels, name), name, calls))
-    model = build_tiny_model(family, dtype=torch.float32, seed=5, layers=3)
+def test_greedy_with_long_prompts_through_them_is_plain_greedy(family, extra, config, monkeypatch):
+    calls = _count_calls(monkeypatch)
+    model = build_tiny_model(family, dtype=torch.float32, seed=5, layers=3, **extra)
     for seed in range(2):
         prompt = repetitive_prompt(seed, length=2 * prefill_kernels.ROWS)
         plain = model.generate(prompt, do_sample=False, max_new_tokens=30)
@@ -96,6 +95,30 @@ def test_greedy_with_long_prompts_through_them_is_plain_greedy(family, config, m
     # 3 layers × 2 prefills; RoPE once a layer on stacked q/k/v, twice on q and k apart (products one by one)
     assert (calls["rms_norm"], calls["add_rms_norm"], calls["silu_times"]) == (6, 6, 6)
     assert calls["rope"] in (6, 12)
+
+
+@needs_kernels
+def test_a_batch_of_long_prompts_through_them_is_plain_batched_generate(monkeypatch):
+    """The prompts of a left-padded batch are prefilled one by one (`prefill.py`), each through the compiled passes."""
+    calls = _count_calls(monkeypatch)
+    model = build_tiny_model("llama", dtype=torch.float32, seed=5, layers=3)
+    lengths = (2 * prefill_kernels.ROWS, prefill_kernels.ROWS + 10)
+    ids = torch.zeros(2, max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, -length:] = repetitive_prompt(row, length=length)[0]
+        mask[row, -length:] = 1
+    kwargs = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=20, do_sample=False)
+    assert torch.equal(model.generate(ids, **kwargs), model.generate(ids, custom_generate=Lookahead(), **kwargs))
+    assert calls["rms_norm"] == calls["silu_times"] == 2 * 3  # 2 prompts × 3 layers
+
+
+def _count_calls(monkeypatch) -> dict:
+    """Count the calls of the compiled passes (still computing them), by name."""
+    calls = {name: 0 for name in ("rms_norm", "add_rms_norm", "rope", "silu_times")}
+    for name in calls:
+        monkeypatch.setattr(prefill_kernels, name, _counted(getattr(prefill_kernels, name), name, calls))
+    return calls
 
 
 def _counted(function, name: str, calls: dict):
