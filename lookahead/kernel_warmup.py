@@ -163,11 +163,11 @@ def _tile_products() -> None:
     arithmetic above does not."""
     import torch
 
-    from . import affine_weights, streamed_gemm
+    from . import affine_weights, amx_kernel, streamed_gemm
     from .warmup_model import q4_1, q8_0
 
     weight = torch.randn(32, 128, generator=torch.Generator().manual_seed(0))
-    rows = 2 * streamed_gemm.PREPARED_APART * 16
+    rows = 2 * streamed_gemm.PREPARED_APART * amx_kernel.GROUP
     for form in (q4_1, q8_0):
         packed = affine_weights.pack_stacked([form(weight)])
         if packed.kind in streamed_gemm.AMX_KINDS:
