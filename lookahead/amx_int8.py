@@ -39,7 +39,7 @@ from .compiled_ir import compiled_addresses, host_features
 from .vector_ir import splat, splat_const
 
 KIND = "amx8"
-GROUP = 16  # rows a kernel computes at most (a dispatcher's group)
+GROUP = amx_kernel.GROUP  # rows a kernel computes at most (a dispatcher's group: `amx_kernel.driver_ir`)
 PIECES = 4  # int8 pieces of an input
 TILE_ROWS = 16 // PIECES  # rows whose pieces share an A tile
 RECORD = 576  # bytes of a block of 16 columns × 32 steps

@@ -59,6 +59,7 @@ AMX_KINDS = {amx_kernel.KIND: amx_kernel, amx_int8.KIND: amx_int8}  # tile kerne
 # threads (`_launch_groups`), not by one before they start: one layer's four products of a 660-row prefill of the
 # default model spent ~1.1 ms of ~11 ms preparing (Intel Xeon, 2 threads).
 PREPARED_APART = 4
+_TILE_GROUP = amx_kernel.GROUP  # rows of a tile kernel's group (both kernels' dispatchers share it)
 # int8 kernels that compute several panels a pass (`panels_per_pass`) prefetch, at each step, the same step of the
 # panel one pass ahead instead (`together` panels of K int8 vectors further) — by vector width. Measured on AVX2
 # (Zen 3, 2 threads, the default model's int8 LM head [49152, 576] after a read of 160 MB, medians): 1 / 2 / 3 rows
@@ -210,7 +211,7 @@ def product(x: torch.Tensor, weight: StreamedWeight) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=torch.float32)
     threads = min(numba_threads(torch.get_num_threads()), blocks)
     address, transpose = _kernel_address(weight.kind)
-    if weight.kind in AMX_KINDS and rows > PREPARED_APART * amx_kernel.GROUP:
+    if weight.kind in AMX_KINDS and rows > PREPARED_APART * _TILE_GROUP:
         _launch_groups(address, transpose, rows, x.data_ptr(), xt.data_ptr(), panels.data_ptr(), out.data_ptr(), k,
                        n, blocks, threads, AMX_KINDS[weight.kind].group_bytes(k))
     else:
@@ -481,13 +482,14 @@ def _prepare_groups(transpose, rows, x, xt, k, threads, group_bytes):  # pragma:
     the groups of 16 rows (`group_bytes` of the scratch each, `amx_kernel.group_bytes`). A function of its own: in
     the caller, numba would fuse this loop with the kernel's, and a thread would compute before the other's rows
     are prepared."""
-    groups = (rows + 15) // 16
+    size = _TILE_GROUP
+    groups = (rows + size - 1) // size
     base = (xt + 63) // 64 * 64  # where `transpose` puts the first group
     for t in numba.prange(threads):
         first, last = t * groups // threads, (t + 1) * groups // threads
         if last > first:
-            count = min(rows, last * 16) - first * 16
-            _call_transpose(transpose, x + first * 16 * k * 4, base + first * group_bytes, count, k)
+            count = min(rows, last * size) - first * size
+            _call_transpose(transpose, x + first * size * k * 4, base + first * group_bytes, count, k)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
