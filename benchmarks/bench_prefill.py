@@ -8,8 +8,10 @@ mostly the prompt's prefill. Each prompt here is the suite's retrieval and summa
 concatenated, cut to each of `--lengths` tokens; for each, plain HF greedy (`model.generate`) and lookahead
 (`custom_generate=Lookahead()`, default configuration) generate `--max-new-tokens` tokens, alternating within each
 repetition (after one untimed warm-up of each). The table shows medians over the repetitions: HF's whole call,
-lookahead's whole call and its prefill (`last_stats.prefill_time`: the prompt's forward and the first token), the
-speedup of the whole call, and whether every output equals HF's token for token.
+lookahead's whole call and its prefill (`last_stats.prefill_time`: the prompt's forward and the first token), its
+tokens a second after the prefill (the other new tokens over the rest of the call: decoding over a long cache,
+what a longer `--max-new-tokens` shows), the speedup of the whole call, and whether every output equals HF's token
+for token.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def measure(model, ids: torch.Tensor, max_new_tokens: int, repeats: int) -> dict
     from lookahead import Lookahead
 
     runs = {"hf": [], "lookahead": [], "prefill": []}
-    identical = True
+    identical, new_tokens = True, 0
     for repeat in range(repeats + 1):  # the first is a warm-up
         t0 = time.perf_counter()
         plain = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -60,6 +62,7 @@ def measure(model, ids: torch.Tensor, max_new_tokens: int, repeats: int) -> dict
                               max_new_tokens=max_new_tokens, custom_generate=decoder)
         t2 = time.perf_counter()
         identical &= torch.equal(plain, fast)
+        new_tokens = fast.shape[1] - ids.shape[1]
         if repeat:
             runs["hf"].append(t1 - t0)
             runs["lookahead"].append(t2 - t1)
@@ -67,8 +70,11 @@ def measure(model, ids: torch.Tensor, max_new_tokens: int, repeats: int) -> dict
         print(f"{ids.shape[1]} tokens, repetition {repeat}: HF {t1 - t0:.2f} s, lookahead {t2 - t1:.2f} s",
               file=sys.stderr)
     medians = {name: statistics.median(times) for name, times in runs.items()}
+    after = medians["lookahead"] - medians["prefill"]  # the prefill's time holds the first token
     return {"prompt_tokens": ids.shape[1], **{f"{name}_s": value for name, value in medians.items()},
-            "speedup": medians["hf"] / medians["lookahead"], "identical": identical, "runs": runs}
+            "speedup": medians["hf"] / medians["lookahead"], "new_tokens": new_tokens,
+            "decode_tokens_per_s": (new_tokens - 1) / after if after > 0 else None, "identical": identical,
+            "runs": runs}
 
 
 def settings(args: argparse.Namespace) -> dict:
@@ -78,10 +84,17 @@ def settings(args: argparse.Namespace) -> dict:
 
 def table(rows: list[dict]) -> str:
     """The markdown table of the measured lengths."""
-    header = ["prompt tokens", "HF greedy s", "lookahead s", "its prefill s", "× HF greedy", "identical"]
+    header = ["prompt tokens", "HF greedy s", "lookahead s", "its prefill s", "its tok/s after the prefill",
+              "× HF greedy", "identical"]
     return "\n".join(markdown_table(header, [[str(r["prompt_tokens"]), f"{r['hf_s']:.2f}", f"{r['lookahead_s']:.2f}",
-                                              f"{r['prefill_s']:.2f}", f"{r['speedup']:.2f}x",
-                                              "yes" if r["identical"] else "NO"] for r in rows]))
+                                              f"{r['prefill_s']:.2f}", _rate(r.get("decode_tokens_per_s")),
+                                              f"{r['speedup']:.2f}x", "yes" if r["identical"] else "NO"]
+                                             for r in rows]))
+
+
+def _rate(tokens_per_s: float | None) -> str:
+    """A rate for the table: one decimal, or a dash where nothing followed the prefill."""
+    return "—" if tokens_per_s is None else f"{tokens_per_s:.1f}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

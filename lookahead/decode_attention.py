@@ -15,7 +15,10 @@ floats with AVX-512 or of 8 with AVX2 (L lanes):
   of `vector_ir`; exactly 0 below e⁻⁸⁷, so a masked key weighs nothing), their sum lane by lane (slot s into
   lane s mod L) then the L lanes in order;
 - weighted values: as many queries at a time as the registers hold (`group_size`), each output element one chain
-  of multiply-adds in slot order (the value vectors loaded once for the group), times the inverse of the sum.
+  of multiply-adds in slot order (the value vectors loaded once for the group), times the inverse of the sum;
+- at each key block, the keys AHEAD_SLOTS slots on are prefetched into L1 and the block's values into L2 (a block
+  is a 4 KB page at heads of 64, where the CPU's prefetcher stops); each query's inverse sum and largest score are
+  left in the scratch for `split_attention`, which joins calls over chunks of a long cache.
 
 Every score, weight, sum and output is computed in an order fixed by the width, the head size and the key's slot,
 never by how many keys, queries or rows the call has (keys of weight 0 add exactly nothing): a row's attention is
@@ -41,6 +44,7 @@ from .vector_ir import EXP_FLOOR, NEGATIVE_INFINITY, Width, chain, float_literal
 WIDTHS = (16, 8)  # floats a vector: AVX-512's, AVX2's
 REGISTERS = {16: 32, 8: 16}  # vector registers of each width's instruction set
 MAX_GROUP = 8  # queries a pass of the weighted values takes at most
+AHEAD_SLOTS = 32  # how far ahead of the key block being scored its keys are prefetched (8 KB at heads of 64)
 PAD = 16  # the scratch pads each query's scores to whole vectors of the wider width (enough for both)
 
 
@@ -67,8 +71,15 @@ def group_size(head_dim: int, lanes: int = 16) -> int:
 @numba.njit(cache=True)
 def scratch_floats(queries: int, count: int) -> int:
     """Floats of scratch a call for `queries` queries over `count` keys needs: each query's scores (padded to whole
-    vectors), then each query's inverse sum."""
-    return queries * ((count + PAD - 1) // PAD * PAD) + queries
+    vectors of PAD floats), then each query's inverse sum, then each query's largest score (`sums_at`)."""
+    return sums_at(queries, count) + 2 * queries
+
+
+@numba.njit(cache=True)
+def sums_at(queries: int, count: int) -> int:
+    """Where in a call's scratch its queries' inverse sums start (the largest scores follow them): after each
+    query's `count` scores padded to whole vectors of PAD floats."""
+    return queries * ((count + PAD - 1) // PAD * PAD)
 
 
 @functools.cache
@@ -134,6 +145,7 @@ def module_ir(head_dim: int, lanes: int = 16) -> str:
     vectors = head_dim // lanes
     lines = vector_declarations(lanes) + [
         f"declare {w.vec} @llvm.masked.load.v{w.lanes}f32.p0(ptr, i32, {w.mask}, {w.vec})",
+        "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
         "define void @attend_queries(i64 %qa, i64 %ma, i64 %oa, i64 %n, i64 %ka, i64 %va, i64 %count, i64 %sa, "
         "float %scale) {", "entry:"]
     lines += _entry(w)
@@ -149,8 +161,9 @@ def _entry(w: Width) -> list[str]:
     """The entry block: pointers, the padded row length of the scratch, the end of the whole key blocks."""
     out = ["  %qs = inttoptr i64 %qa to ptr", "  %ms = inttoptr i64 %ma to ptr", "  %os = inttoptr i64 %oa to ptr",
            "  %k = inttoptr i64 %ka to ptr", "  %v = inttoptr i64 %va to ptr", "  %sc = inttoptr i64 %sa to ptr",
-           f"  %pad1 = add i64 %count, {w.lanes - 1}", f"  %padded = and i64 %pad1, -{w.lanes}",
+           f"  %pad1 = add i64 %count, {PAD - 1}", f"  %padded = and i64 %pad1, -{PAD}",
            "  %inv_at = mul i64 %n, %padded", "  %invs = getelementptr float, ptr %sc, i64 %inv_at",
+           "  %tops = getelementptr float, ptr %invs, i64 %n",
            f"  %blocks_end = and i64 %count, -{w.lanes}"]
     out += w.splat("scalev", "%scale")
     return out + ["  br label %kb_test"]
@@ -171,7 +184,9 @@ def _block_scores(w: Width, head_dim: int, vectors: int) -> list[str]:
     chains, one a key, the tree of pairwise sums (key j's score lands in lane j), scaled, stored at
     scratch[m · padded + s]."""
     out = ["kb_test:", "  %s = phi i64 [0, %entry], [%s_next, %kb_next]", "  %kb_more = icmp slt i64 %s, %blocks_end",
-           "  br i1 %kb_more, label %bq, label %tail_test", "bq:", "  %m = phi i64 [0, %kb_test], [%m_next, %bq]"]
+           "  br i1 %kb_more, label %kb_fetch, label %tail_test"]
+    out += _prefetches(w, head_dim)
+    out += ["  br label %bq", "bq:", "  %m = phi i64 [0, %kb_fetch], [%m_next, %bq]"]
     out += _query(w, "%m", "b", vectors)
     for j in range(w.lanes):
         out += [f"  %slot{j} = add i64 %s, {j}", f"  %off{j} = mul i64 %slot{j}, {head_dim}",
@@ -189,6 +204,21 @@ def _block_scores(w: Width, head_dim: int, vectors: int) -> list[str]:
             f"  store {w.vec} %bscaled, ptr %bop, align 4", "  %m_next = add i64 %m, 1",
             "  %m_more = icmp slt i64 %m_next, %n", "  br i1 %m_more, label %bq, label %kb_next, !llvm.loop !0",
             "kb_next:", f"  %s_next = add i64 %s, {w.lanes}", "  br label %kb_test"]
+    return out
+
+
+def _prefetches(w: Width, head_dim: int) -> list[str]:
+    """IR: block `kb_fetch`, at the start of the key block at slot %s: the keys of the block AHEAD_SLOTS slots on
+    prefetched into L1, and this block's values into L2 for the weighted values (a block of 16 keys of 64 floats
+    is a 4 KB page, where the CPU's own prefetcher stops)."""
+    out = ["kb_fetch:", f"  %fk_at = mul i64 %s, {head_dim}", "  %fk = getelementptr float, ptr %k, i64 %fk_at",
+           f"  %fk_ahead = getelementptr float, ptr %fk, i64 {AHEAD_SLOTS * head_dim}",
+           "  %fv = getelementptr float, ptr %v, i64 %fk_at"]
+    for line in range(w.lanes * head_dim * 4 // 64):
+        out += [f"  %fkl{line} = getelementptr i8, ptr %fk_ahead, i64 {64 * line}",
+                f"  call void @llvm.prefetch.p0(ptr %fkl{line}, i32 0, i32 3, i32 1)",
+                f"  %fvl{line} = getelementptr i8, ptr %fv, i64 {64 * line}",
+                f"  call void @llvm.prefetch.p0(ptr %fvl{line}, i32 0, i32 2, i32 1)"]
     return out
 
 
@@ -249,7 +279,8 @@ def _maximum(w: Width, loop: str, masked: bool) -> list[str]:
 
 def _softmax(w: Width) -> list[str]:
     """IR: per query, a pass adding its mask row and taking the maximum, then a pass turning the scores into the
-    weights (stored over them) and summing them lane by lane; the inverse of the sum stored after the scores."""
+    weights (stored over them) and summing them lane by lane; the inverse of the sum stored after the scores, the
+    maximum after the inverse sums (what `fused_kernels` needs to join the outputs of chunks of keys)."""
     low = w.const(NEGATIVE_INFINITY)
     out = ["soft:", "  br label %sq", "sq:", "  %sm = phi i64 [0, %soft], [%sm_next, %sq_done]",
            "  %srow = mul i64 %sm, %padded", "  %sr = getelementptr float, ptr %sc, i64 %srow",
@@ -274,7 +305,8 @@ def _softmax(w: Width) -> list[str]:
             "  br i1 %e_more, label %ex, label %sq_done", "sq_done:",
             f"  %ssum = call float @llvm.vector.reduce.fadd.v{w.lanes}f32(float -0.0, {w.vec} %acc_next)",
             "  %sinv = fdiv float 1.0, %ssum", "  %sip = getelementptr float, ptr %invs, i64 %sm",
-            "  store float %sinv, ptr %sip, align 4", "  %sm_next = add i64 %sm, 1",
+            "  store float %sinv, ptr %sip, align 4", "  %stp = getelementptr float, ptr %tops, i64 %sm",
+            "  store float %stop, ptr %stp, align 4", "  %sm_next = add i64 %sm, 1",
             "  %sm_more = icmp slt i64 %sm_next, %n", "  br i1 %sm_more, label %sq, label %wg_test"]
     return out
 

@@ -25,6 +25,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import intrinsic
 
+from . import split_attention
 from .attention_kernel import call_dots, call_weighted
 from .decode_attention import call_attend_queries, scratch_floats
 from .streamed_gemm import _launch, product_scratch
@@ -244,7 +245,11 @@ def attend_grouped(queries, keys, values, lead, length, mask, scale, threads, fu
                    out):  # pragma: no cover - compiled
     """`attend_after` on `decode_attention`'s kernel (at address `function`): the (row, query head) tasks, key head
     by key head, split into `threads` contiguous shares; each share calls the kernel once per key head it touches,
-    with that head's queries, their mask rows and outputs."""
+    with that head's queries, their mask rows and outputs. Over more than `split_attention.CHUNK` slots, that
+    module's chunks of keys instead."""
+    if split_attention.applies(length - lead):
+        split_attention.attend_chunked(queries, keys, values, lead, length, mask, scale, threads, function, out)
+        return
     rows, query_heads, head_dim = queries.shape
     group = query_heads // keys.shape[0]
     per_head = rows * group

@@ -21,8 +21,11 @@ def test_a_prompt_is_timed_both_ways_and_checked_against_greedy(tiny_model):
     assert row["prompt_tokens"] == 90 and row["identical"] is True
     assert all(len(times) == 2 for times in row["runs"].values())  # the warm-up left out
     assert row["prefill_s"] <= row["lookahead_s"] and row["speedup"] == row["hf_s"] / row["lookahead_s"]
-    table = bench_prefill.table([row, {**row, "prompt_tokens": 180, "identical": False}])
-    assert "| 90 |" in table and table.rstrip().endswith("| NO |")
+    assert row["new_tokens"] == 5
+    assert row["decode_tokens_per_s"] == pytest.approx(4 / (row["lookahead_s"] - row["prefill_s"]))
+    table = bench_prefill.table([row, {**row, "prompt_tokens": 180, "identical": False, "decode_tokens_per_s": None}])
+    assert "| 90 |" in table and table.rstrip().endswith("| — | %.2fx | NO |" % row["speedup"])
+    assert f"| {row['decode_tokens_per_s']:.1f} |" in table.splitlines()[2]
 
 
 def test_its_settings_are_json_values(tmp_path):
