@@ -87,8 +87,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     _, heads, rows, size = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
     padded = -(-slots // BLOCK) * BLOCK
-    keys_t = torch.zeros(kv_heads, size, padded)  # [H_kv, D, S'] zero-padded: every block reads whole vectors
-    keys_t[:, :, :slots] = key[0].transpose(1, 2)
+    keys_t = _blocked_keys(key[0], padded)
     values = torch.zeros(kv_heads, padded, size)
     values[:, :slots] = value[0]
     q = query[0].contiguous()
@@ -97,6 +96,19 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     _launch(_address(size), q.data_ptr(), keys_t.data_ptr(), values.data_ptr(), out.data_ptr(), heads,
             heads // kv_heads, rows, slots - rows, padded, size, float(scale), ROWS, threads)
     return out
+
+
+def _blocked_keys(key: torch.Tensor, padded: int) -> torch.Tensor:
+    """key [H_kv, S, D] as [H_kv, S' / BLOCK, D, BLOCK]: each block of BLOCK keys transposed on its own (one
+    contiguous 8 KB at heads of 64, read as a stream; the whole [D, S'] transpose made a block touch D pages),
+    zero-padded to S' slots so that every block reads whole vectors."""
+    kv_heads, slots, size = key.shape
+    blocked = torch.zeros(kv_heads, padded // BLOCK, size, BLOCK)
+    whole = slots // BLOCK
+    blocked[:, :whole] = key[:, :whole * BLOCK].reshape(kv_heads, whole, BLOCK, size).transpose(2, 3)
+    if slots > whole * BLOCK:
+        blocked[:, whole, :, :slots - whole * BLOCK] = key[:, whole * BLOCK:].transpose(1, 2)
+    return blocked
 
 
 @functools.cache
@@ -132,7 +144,7 @@ def _launch(address, q, keys_t, values, out, heads, group, rows, start, padded, 
 def module_ir(size: int) -> str:
     """LLVM module with `void attend_tile(i64 q, i64 keys_t, i64 values, i64 out, i64 valid, i64 last, i64 padded,
     i64 out_stride, float scale)`: rows r < `valid` of the tile at `q` (`size` floats a row) attend over keys 0 …
-    last + r of `keys_t` [size, padded] and `values` [padded, size]; row r's output is stored at out + r ·
+    last + r of `keys_t` [padded / BLOCK, size, BLOCK] (`_blocked_keys`) and `values` [padded, size]; row r's output is stored at out + r ·
     out_stride floats."""
     vectors = size // LANES
     lines = vector_declarations() + [
@@ -172,7 +184,7 @@ def _block(size: int, vectors: int) -> list[str]:
         out += [f"  %m{r} = phi float [{NEGATIVE_INFINITY}, %entry], [%mn{r}, %latch]",
                 f"  %l{r} = phi float [0.0, %entry], [%ln{r}, %latch]"]
         out += [f"  %a{r}_{v} = phi {VEC} [zeroinitializer, %entry], [%an{r}_{v}, %latch]" for v in range(vectors)]
-    out += [f"  %key0 = mul i64 %b, {BLOCK}", "  br label %scores"]
+    out += [f"  %key0 = mul i64 %b, {BLOCK}", f"  %kbase = mul i64 %key0, {size}", "  br label %scores"]
     out += _scores(size)
     for r in range(ROWS):
         out += _softmax_row(r, vectors)
@@ -195,8 +207,8 @@ def _scores(size: int) -> list[str]:
     current = {(r, u, c): f"%c{r}_{u}_{c}" for r in range(ROWS) for u in range(units) for c in range(chains)}
     for i in range(UNROLL):
         c = i % chains
-        out += [f"  %dd{i} = add i64 %d, {i}", f"  %ko{i} = mul i64 %padded, %dd{i}",
-                f"  %kx{i} = add i64 %ko{i}, %key0", f"  %kp{i} = getelementptr float, ptr %kt, i64 %kx{i}"]
+        out += [f"  %dd{i} = add i64 %d, {i}", f"  %ko{i} = mul i64 %dd{i}, {BLOCK}",
+                f"  %kx{i} = add i64 %ko{i}, %kbase", f"  %kp{i} = getelementptr float, ptr %kt, i64 %kx{i}"]
         for u in range(units):
             out += [f"  %kp{i}_{u} = getelementptr float, ptr %kp{i}, i64 {u * LANES}",
                     f"  %k{i}_{u} = load {VEC}, ptr %kp{i}_{u}, align 4"]
