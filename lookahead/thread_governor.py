@@ -10,14 +10,17 @@ lookahead, 64 tokens, 0.42 s idle → 4.3–6.0 s on 2 threads, 6.7 s with torch
 `ThreadGovernor` (one per model, `governor_for`) watches each step's forward time, normalised by the cost curve's ratio
 for its row count (a batch's by its batch size's curve, each batch size with its own unhindered time). After `STREAK`
 steps in a row slower than `SLOW` times the expected time (the curve's one-row time, or the fastest normalised step it
-saw), it halves torch's and numba's thread count (on two cores: one thread), and halves it again while the steps stay
-that slow at the new count; from then on, every `FIRST_PROBE` seconds (doubling after each probe that loses, up to
-`LAST_PROBE`) one step runs on all threads again, and the governor stays there when that step was clearly faster than
-the reduced steps. A model's first generation starts halved when other processes kept `BUSY_CORES` cores busy while this
-one imported lookahead and loaded its model (`cpu_load.py`), so that the set-up and the prefill are spared too. Outputs
-do not depend on it: the tokens are the rule's, whatever the thread count (tested by scripting the switches). Measured
-on 2 cores only: halving rather than dropping to one thread is for machines with many cores, where one busy process
-takes one core of many.
+saw) while the machine's CPU accounting says other processes kept `BUSY_CORES` cores busy meanwhile (`cpu_load`; where
+it says nothing, the step times alone decide), it halves torch's and numba's thread count (on two cores: one thread),
+and halves it again while the steps stay that slow at the new count; from then on, every `FIRST_PROBE` seconds
+(doubling after each probe that loses, up to `LAST_PROBE`) one step runs on all threads again, and the governor stays
+there when that step was clearly faster than the reduced steps. (Step times alone misread a long cache: a one-row step
+over 3000 cached tokens takes ~2.5x one over 20 on an idle machine, and the halved threads then slowed the next
+prefill ~1.7x; session 57.) A model's first generation starts halved when other processes kept `BUSY_CORES` cores
+busy while this one imported lookahead and loaded its model (`cpu_load.py`), so that the set-up and the prefill are
+spared too. Outputs do not depend on it: the tokens are the rule's, whatever the thread count (tested by scripting
+the switches). Measured on 2 cores only: halving rather than dropping to one thread is for machines with many cores,
+where one busy process takes one core of many.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ SLOW = 2.0  # a full-thread step this many times its expected time counts as hel
 STREAK = 3  # ... and this many such steps in a row halve the thread count
 FIRST_PROBE, LAST_PROBE = 1.0, 16.0  # seconds on fewer threads before all threads are tried again (doubling)
 WIN = 0.9  # a probe on all threads wins when its time is below this fraction of the reduced steps' time
-BUSY_CORES = 0.5  # cores other processes kept busy before the first generation that make it start halved
+BUSY_CORES = 0.5  # cores other processes kept busy before the first generation that make it start halved, and
+# during slow steps that make them count as held up
+MARK_SECONDS = 2.0  # how old the newest sample of the machine's CPU time gets before another is taken
 _governors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -69,6 +74,7 @@ class ThreadGovernor:
         self.reduced_time: float | None = None  # running normalised time of the steps on `count` threads
         self.streak, self.interval, self.since = 0, FIRST_PROBE, 0.0
         self.curve: CostCurve | None = None
+        self.marks: list[cpu_load.CpuSample] = []  # `_mark`'s samples of the machine's CPU time, oldest first
 
     @contextlib.contextmanager
     def running(self, curve: CostCurve | None, enabled: bool) -> Iterator[ThreadGovernor]:
@@ -85,6 +91,8 @@ class ThreadGovernor:
             if first and (self.busy_elsewhere() or 0.0) >= BUSY_CORES:
                 self._reduce()
         self.probing = False
+        if self.curve is not None:
+            self._mark()  # a window over the prefill for `busy_recently`
         set_threads(self.count if self.curve is not None and self.reduced else full)
         try:
             yield self
@@ -117,6 +125,7 @@ class ThreadGovernor:
         what a step costs."""
         if self.curve is None:
             return False
+        self._mark()
         normalised, before = seconds / max(self.curve.ratio(rows), 1e-9), (self.reduced, self.count)
         if self.probing:
             self._after_probe(normalised)
@@ -128,15 +137,46 @@ class ThreadGovernor:
 
     def _slow(self, normalised: float, threads: int) -> bool:
         """Whether `STREAK` steps in a row on `threads` threads were held up: over `SLOW` times the unhindered
-        full-thread time, scaled to `threads` threads as if the work split evenly. An unhindered full-thread step
-        lowers that time."""
+        full-thread time, scaled to `threads` threads as if the work split evenly, while other processes kept at
+        least `BUSY_CORES` cores busy (`busy_recently`; where that is unknown, the step times alone decide). Steps
+        slow for their own reasons (a long cache's attention: a one-row step over 3000 cached tokens takes ~2.5x
+        one over 20) on an otherwise idle machine start the streak over. An unhindered full-thread step lowers the
+        unhindered time."""
         if normalised <= SLOW * self.expected * self.full / threads:
             self.streak = 0
             if threads == self.full:
                 self.expected = min(self.expected, normalised)
             return False
         self.streak += 1
-        return self.streak >= STREAK
+        if self.streak < STREAK:
+            return False
+        busy = self.busy_recently()
+        if busy is not None and busy < BUSY_CORES:
+            self.streak = 0
+            return False
+        return True
+
+    def busy_recently(self) -> float | None:
+        """Cores other processes (and the hypervisor) kept busy since the newest of the governor's marks that is at
+        least `cpu_load.MIN_WINDOW` seconds old (`_mark`: at a generation's start and every `MARK_SECONDS` of
+        steps), else since lookahead was imported; None where the machine does not say or no such window is at
+        hand."""
+        now = cpu_load.sample()
+        for since in [*reversed(self.marks), cpu_load.START]:  # the newest first: the most recent window
+            busy = cpu_load.busy_elsewhere(since, now)
+            if busy is not None:
+                return busy
+        return None
+
+    def _mark(self) -> None:
+        """Keep a sample of the machine's CPU time at most `MARK_SECONDS` old (and the one before it), so that
+        `busy_recently` has a recent window of a few seconds whenever steps turn slow."""  # ~20 µs a sample
+        wall = time.monotonic()
+        if self.marks and wall - self.marks[-1].wall < MARK_SECONDS:
+            return
+        sample = cpu_load.sample()
+        if sample is not None:
+            self.marks = (self.marks + [sample])[-2:]
 
     def _reduced_step(self, normalised: float) -> None:
         """A step on `count` threads: halve again if still held up, else time it and probe all threads when due."""

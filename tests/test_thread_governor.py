@@ -20,10 +20,16 @@ FAST, BUSY, ONE = 0.01, 0.01 * SLOW * 3, 0.014  # seconds of a one-row step: fre
 
 
 class Quiet(ThreadGovernor):
-    """A governor that sees no other process busy before its first generation."""
+    """A governor that sees no other process busy before its first generation, and `others_recently` cores busy
+    whenever its steps turn slow (by default one: the scripted slow steps are other processes' doing)."""
+
+    others_recently: float | None = 1.0
 
     def busy_elsewhere(self) -> float:
         return 0.0
+
+    def busy_recently(self) -> float | None:
+        return self.others_recently
 
 
 class Clock:
@@ -226,6 +232,39 @@ def test_the_first_generation_starts_on_one_thread_when_others_kept_the_cores_bu
     busy = BUSY_CORES + 1  # no longer asked
     with governor.running(CURVE, enabled=True):
         assert governor.reduced_now == starts_on_one
+
+
+@pytest.mark.parametrize("others, halves", [(0.0, False), (BUSY_CORES - 0.1, False), (BUSY_CORES, True), (None, True)])
+def test_slow_steps_count_as_held_up_only_while_others_keep_cores_busy(two_threads, others, halves):
+    """Steps slow for their own reasons (a long cache) on an idle machine keep all threads, however many; where the
+    machine does not say (None), the step times alone decide."""
+    governor = Quiet(Clock())
+    governor.others_recently = others
+    with governor.running(CURVE, enabled=True):
+        for _ in range(3 * STREAK):
+            governor.record(1, BUSY)
+        assert governor.reduced_now == halves
+        assert _threads() == ((1, 1) if halves else (2, numba_threads(2)))
+
+
+def test_busy_recently_reads_the_newest_window_long_enough(monkeypatch):
+    """The marks a governor keeps (at a generation's start, then every MARK_SECONDS of steps): the newest one at
+    least MIN_WINDOW seconds old is the window's start, else the one before it, else lookahead's import."""
+    samples = iter([cpu_load.CpuSample(100.0, 50.0, 1.0), cpu_load.CpuSample(100.2, 50.3, 1.2)])
+    monkeypatch.setattr(cpu_load, "sample", lambda: next(samples))
+    monkeypatch.setattr(cpu_load, "START", None)
+    governor = ThreadGovernor(Clock())
+    governor.marks = [cpu_load.CpuSample(97.0, 44.0, 0.5), cpu_load.CpuSample(99.9, 49.0, 0.9)]
+    assert governor.busy_recently() == pytest.approx(((50.0 - 44.0) - (1.0 - 0.5)) / 3.0)  # 0.1 s: too short
+    assert ThreadGovernor(Clock()).busy_recently() is None  # no mark, no import sample: nothing to tell
+    monkeypatch.setattr(cpu_load, "sample", lambda: cpu_load.CpuSample(102.0, 51.0, 1.5))
+    now = [101.0]
+    monkeypatch.setattr(thread_governor.time, "monotonic", lambda: now[0])
+    governor._mark()
+    assert [mark.wall for mark in governor.marks] == [97.0, 99.9]  # the newest is not MARK_SECONDS old yet
+    now[0] = 99.9 + thread_governor.MARK_SECONDS
+    governor._mark()
+    assert [mark.wall for mark in governor.marks] == [99.9, 102.0]  # a new mark; the two newest kept
 
 
 def test_busy_elsewhere_counts_the_other_processes_cores():
