@@ -280,7 +280,7 @@ def _maximum(w: Width, loop: str, masked: bool) -> list[str]:
 def _softmax(w: Width) -> list[str]:
     """IR: per query, a pass adding its mask row and taking the maximum, then a pass turning the scores into the
     weights (stored over them) and summing them lane by lane; the inverse of the sum stored after the scores, the
-    maximum after the inverse sums (what `fused_kernels` needs to join the outputs of chunks of keys)."""
+    maximum after the inverse sums (what `split_attention` needs to join the outputs of chunks of keys)."""
     low = w.const(NEGATIVE_INFINITY)
     out = ["soft:", "  br label %sq", "sq:", "  %sm = phi i64 [0, %soft], [%sm_next, %sq_done]",
            "  %srow = mul i64 %sm, %padded", "  %sr = getelementptr float, ptr %sc, i64 %srow",

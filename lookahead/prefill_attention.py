@@ -144,8 +144,8 @@ def _launch(address, q, keys_t, values, out, heads, group, rows, start, padded, 
 def module_ir(size: int) -> str:
     """LLVM module with `void attend_tile(i64 q, i64 keys_t, i64 values, i64 out, i64 valid, i64 last, i64 padded,
     i64 out_stride, float scale)`: rows r < `valid` of the tile at `q` (`size` floats a row) attend over keys 0 …
-    last + r of `keys_t` [padded / BLOCK, size, BLOCK] (`_blocked_keys`) and `values` [padded, size]; row r's output is stored at out + r ·
-    out_stride floats."""
+    last + r of `keys_t` [padded / BLOCK, size, BLOCK] (`_blocked_keys`) and `values` [padded, size]; row r's
+    output is stored at out + r · out_stride floats."""
     vectors = size // LANES
     lines = vector_declarations() + [
         "declare float @llvm.maxnum.f32(float, float)",

@@ -4,12 +4,13 @@
 keys and values of every key head it has a task of: the default model's 3 key heads on 2 threads make each thread
 read 2 heads (the middle one's queries split between them), 4 heads read for 3. A one-row step over a long cache
 reads its keys and values at the memory's pace (46 KB a cached token on the default model, float32), so its
-attention took ~2x one head's time where 1.5x would do. Here the slots after the hidden lead (`fused_kernels.hidden_lead`) are cut into chunks of CHUNK slots
-counted from the lead, each (key head, chunk) one call of `decode_attention`'s kernel for all the queries of that
-head over that chunk's keys; the threads share the calls by their keys (contiguous shares, ~equal slots each).
+attention took ~2x one head's time where 1.5x would do. Here the slots after the hidden lead
+(`fused_kernels.hidden_lead`) are cut into chunks of CHUNK slots counted from the lead, each (key head, chunk) one
+call of `decode_attention`'s kernel for all the queries of that head over that chunk's keys; the threads share the
+calls by their keys (contiguous shares, ~equal slots each); the kernel prefetches the keys ahead and the values.
 Each call leaves a query's output normalised over its chunk, its inverse sum and its largest score; the outputs
-are joined per query in chunk order in float64: weights exp(topᶜ − top) / invᶜ, the output Σ weightᶜ · outᶜ /
-Σ weightᶜ, rounded once to float32.
+are joined per query in chunk order in float64: weights exp(topᶜ − top) / inverseᶜ, the output
+Σ weightᶜ · outᶜ / Σ weightᶜ, rounded once to float32.
 
 The chunks' bounds depend only on the lead and the slot count, never on the rows or threads, so a row's output is
 the same bits in a step of one row and of many (its mask hides the later slots: within a chunk they weigh exactly
