@@ -149,12 +149,13 @@ def test_the_kernel_leaves_each_querys_inverse_sum_and_largest_score(lanes):
 
 @pytest.mark.parametrize("name", ["llama-heads16", "qwen2-heads16"])
 @pytest.mark.parametrize("config", [LookaheadConfig(), LookaheadConfig.off()], ids=["speculate", "off"])
-def test_greedy_over_long_prompts_is_plain_greedy(name, config, monkeypatch):
-    """Prompts longer than a chunk and their continuations through the fused layers on the kernel (every step over
-    more than a chunk of slots, so on the chunks): identical to plain greedy."""
-    if not decode_attention.available(16):
-        pytest.skip("decode_attention's 16-float kernel does not run on this CPU")
+@pytest.mark.parametrize("lanes", [16, 8])
+def test_greedy_over_long_prompts_is_plain_greedy(name, config, lanes, monkeypatch):
+    """Prompts longer than a chunk and their continuations through the fused layers on the kernel of either width
+    (every step over more than a chunk of slots, so on the chunks): identical to plain greedy."""
+    _kernel(lanes)
     monkeypatch.setattr(fused_layer, "GROUPED", True)
+    monkeypatch.setattr(decode_attention, "host_lanes", lambda: lanes)
     monkeypatch.setattr(hf, "row_kernels_for", lambda model, refresh=False, quiet=False: RowKernels(0, 64))
     chosen, real = [], fused_layer.attention_loops
     monkeypatch.setattr(fused_layer, "attention_loops", lambda head_dim: chosen.append(real(head_dim)) or chosen[-1])
