@@ -170,7 +170,8 @@ class ThreadGovernor:
 
     def _mark(self) -> None:
         """Keep a sample of the machine's CPU time at most `MARK_SECONDS` old (and the one before it), so that
-        `busy_recently` has a recent window of a few seconds whenever steps turn slow."""  # ~20 µs a sample
+        `busy_recently` has a recent window of a few seconds whenever steps turn slow (a sample reads /proc/stat:
+        ~20 µs, once every MARK_SECONDS at most)."""
         wall = time.monotonic()
         if self.marks and wall - self.marks[-1].wall < MARK_SECONDS:
             return
